@@ -1,0 +1,1 @@
+"""Subcommands of the `jax-dspark` CLI; see `jax_dspark.cli`."""

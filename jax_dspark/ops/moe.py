@@ -1,0 +1,211 @@
+"""Mixture-of-experts pieces: router scores, top-k / hash routing, clamped SwiGLU, experts.
+
+DeepSeek-V4 scores experts with sqrt(softplus(logits)), picks the top-k of
+`scores + bias` (the bias only steers selection; it is learned load balancing), and weights
+the chosen experts by their unbiased scores renormalised to sum 1 times a route scale. Its
+first layers skip the learned choice and read the experts from a frozen token-id table.
+The routed computation groups (token, slot) pairs by expert so each expert runs one
+matmul over a contiguous block of rows (`jax.lax.ragged_dot` here; a grouped-GEMM kernel on
+GPU), then scatters the weighted rows back to token order.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dspark import _ffi
+from jax_dspark.ops import _checks
+
+ScoreKind = Literal["sqrt_softplus", "sigmoid", "softmax"]
+
+
+def router_scores(logits: jax.Array, kind: ScoreKind = "sqrt_softplus") -> jax.Array:
+    """`f32[T, E]` expert scores from router logits `[T, E]`."""
+    _checks.check_rank("logits", logits, 2, "[T, E]")
+    l = logits.astype(jnp.float32)
+    if kind == "sqrt_softplus":
+        return jnp.sqrt(jax.nn.softplus(l))
+    if kind == "sigmoid":
+        return jax.nn.sigmoid(l)
+    if kind == "softmax":
+        return jax.nn.softmax(l, axis=-1)
+    _checks.fail("kind", "must be 'sqrt_softplus', 'sigmoid' or 'softmax'", kind)
+
+
+def _weights_from(scores: jax.Array, ids: jax.Array, renormalize: bool, route_scale: float) -> jax.Array:
+    w = jnp.take_along_axis(scores.astype(jnp.float32), ids, axis=-1)
+    if renormalize:
+        w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1e-20)
+    return w * route_scale
+
+
+def topk_route(
+    scores: jax.Array,
+    k: int,
+    *,
+    bias: jax.Array | None = None,
+    route_scale: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Bias-steered top-k selection with unbiased weights.
+
+    Args:
+      scores: `f32[T, E]` from `router_scores`.
+      k: experts per token, `1 <= k <= E`.
+      bias: `f32[E]` added for selection only (V4's `e_score_correction_bias`), or None.
+      route_scale: multiplies the (renormalised) weights (V4: 1.5 Flash, 2.5 Pro).
+    Returns:
+      `weights f32[T, k]`, `ids int32[T, k]` (ordered by biased score, descending; ties
+      go to the lower expert id).
+    """
+    t, e = _checks.check_rank("scores", scores, 2, "[T, E]")
+    if not (isinstance(k, int) and 1 <= k <= e):
+        _checks.fail("k", f"must be an int in [1, E={e}]", k)
+    if bias is not None and _checks.shape_of(bias) != (e,):
+        _checks.fail("bias", f"shape must be (E,)=({e},)", _checks.shape_of(bias))
+    select = scores.astype(jnp.float32)
+    if bias is not None:
+        select = select + bias.astype(jnp.float32)
+    _, ids = jax.lax.top_k(select, k)
+    ids = ids.astype(jnp.int32)
+    return _weights_from(scores, ids, renormalize, route_scale), ids
+
+
+def hash_route(
+    scores: jax.Array,
+    token_ids: jax.Array,
+    table: jax.Array,
+    *,
+    route_scale: float = 1.0,
+    renormalize: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Experts from a frozen `token id -> experts` table; weights still from the scores.
+
+    Args:
+      scores: `f32[T, E]`.
+      token_ids: `int32[T]` input token of each row.
+      table: `int32[V, k]` experts per vocabulary entry (V4's `tid2eid`).
+    Returns:
+      `weights f32[T, k]`, `ids int32[T, k]`.
+    """
+    t, e = _checks.check_rank("scores", scores, 2, "[T, E]")
+    if _checks.shape_of(token_ids) != (t,):
+        _checks.fail("token_ids", f"shape must be (T,)=({t},)", _checks.shape_of(token_ids))
+    _checks.check_dtype("token_ids", token_ids, (np.int32,))
+    v, _ = _checks.check_rank("table", table, 2, "[V, k]")
+    _checks.check_dtype("table", table, (np.int32,))
+    tok = _checks.concrete(token_ids)
+    if tok is not None and tok.size and (tok.min() < 0 or tok.max() >= v):
+        _checks.fail("token_ids", f"must be in [0, V={v})", (int(tok.min()), int(tok.max())))
+    tab = _checks.concrete(table)
+    if tab is not None and tab.size and (tab.min() < 0 or tab.max() >= e):
+        _checks.fail("table", f"expert ids must be in [0, E={e})", (int(tab.min()), int(tab.max())))
+    ids = jnp.take(table, jnp.clip(token_ids, 0, v - 1), axis=0)
+    return _weights_from(scores, ids, renormalize, route_scale), ids
+
+
+def swiglu(gate: jax.Array, up: jax.Array, *, limit: float | None = None) -> jax.Array:
+    """`silu(min(gate, limit)) * clip(up, -limit, limit)` in f32, returned in gate's dtype.
+
+    The clamp (V4: 10) bounds activations of rarely-used experts; `limit=None` is plain
+    SwiGLU. The gate is clamped from above only, as DeepSeek's reference does.
+    """
+    if _checks.shape_of(gate) != _checks.shape_of(up):
+        _checks.fail("up", f"shape must equal gate's {_checks.shape_of(gate)}", _checks.shape_of(up))
+    if limit is not None and not limit > 0:
+        _checks.fail("limit", "must be > 0 or None", limit)
+    g = gate.astype(jnp.float32)
+    u = up.astype(jnp.float32)
+    if limit is not None:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return (jax.nn.silu(g) * u).astype(gate.dtype)
+
+
+def mlp_swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, limit: float | None = None) -> jax.Array:
+    """Dense SwiGLU MLP (shared expert / dense FFN): `x[..., d]`, `w_gate_up[d, 2I]`, `w_down[I, d]`."""
+    d = _checks.shape_of(x)[-1]
+    d2, two_i = _checks.check_rank("w_gate_up", w_gate_up, 2, "[d, 2I]")
+    if d2 != d or two_i % 2:
+        _checks.fail("w_gate_up", f"expected [d={d}, 2I]", (d2, two_i))
+    if _checks.shape_of(w_down) != (two_i // 2, d):
+        _checks.fail("w_down", f"shape must be (I, d)=({two_i // 2}, {d})", _checks.shape_of(w_down))
+    h = jnp.dot(x, w_gate_up.astype(x.dtype), preferred_element_type=jnp.float32)
+    a = swiglu(h[..., : two_i // 2], h[..., two_i // 2 :], limit=limit).astype(x.dtype)
+    return jnp.dot(a, w_down.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _validate_experts(x, ids, weights, w_gate_up, w_down):
+    t, d = _checks.check_rank("x", x, 2, "[T, d]")
+    _checks.check_floating("x", x)
+    ishape = _checks.check_rank("ids", ids, 2, "[T, k]")
+    _checks.check_dtype("ids", ids, (np.int32,))
+    if ishape[0] != t:
+        _checks.fail("ids", f"first dim must be T={t}", ishape)
+    if _checks.shape_of(weights) != ishape:
+        _checks.fail("weights", f"shape must equal ids' {ishape}", _checks.shape_of(weights))
+    e, d2, two_i = _checks.check_rank("w_gate_up", w_gate_up, 3, "[E, d, 2I]")
+    if d2 != d or two_i % 2:
+        _checks.fail("w_gate_up", f"expected [E, d={d}, 2I]", (e, d2, two_i))
+    if _checks.shape_of(w_down) != (e, two_i // 2, d):
+        _checks.fail("w_down", f"shape must be (E, I, d)=({e}, {two_i // 2}, {d})", _checks.shape_of(w_down))
+    values = _checks.concrete(ids)
+    if values is not None and values.size:
+        if values.min() < 0 or values.max() >= e:
+            _checks.fail("ids", f"expert ids must be in [0, E={e})", (int(values.min()), int(values.max())))
+        srt = np.sort(values, axis=1)
+        dup = np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0]
+        if dup.size:
+            _checks.fail("ids", f"token {int(dup[0])} lists an expert twice", values[dup[0]].tolist())
+
+
+def moe_experts(
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    limit: float | None = None,
+) -> jax.Array:
+    """Routed experts: `out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`.
+
+    Args:
+      x: `[T, d]` tokens.
+      ids: `int32[T, k]` chosen experts (distinct per token).
+      weights: `f32[T, k]` combine weights.
+      w_gate_up: `[E, d, 2I]` (gate = `[..., :I]`, up = `[..., I:]`).
+      w_down: `[E, I, d]`.
+      limit: SwiGLU clamp, or None.
+    Returns:
+      `[T, d]` in x's dtype (f32 accumulation).
+    """
+    _validate_experts(x, ids, weights, w_gate_up, w_down)
+    if _ffi.use_kernel("moe_experts"):
+        from jax_dspark.ops import _kernels
+
+        return _kernels.moe_experts(x, ids, weights, w_gate_up, w_down, limit=limit)
+    return moe_experts_reference(x, ids, weights, w_gate_up, w_down, limit=limit)
+
+
+def moe_experts_reference(x, ids, weights, w_gate_up, w_down, *, limit=None):
+    """Sort (token, slot) pairs by expert, two grouped matmuls, weighted scatter-add back."""
+    t, k = ids.shape
+    e, _, two_i = w_gate_up.shape
+    flat = ids.reshape(-1)
+    # Out-of-range ids (only possible under jit) sort last and fall outside every group.
+    flat = jnp.where((flat >= 0) & (flat < e), flat, e)
+    order = jnp.argsort(flat, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
+    rows = jnp.take(x, token_of, axis=0)
+    h = jax.lax.ragged_dot(rows, w_gate_up.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    a = swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit=limit).astype(x.dtype)
+    y = jax.lax.ragged_dot(a, w_down.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    w = jnp.take(weights.reshape(-1).astype(jnp.float32), order) * (jnp.take(flat, order) < e)
+    out = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(y * w[:, None])
+    return out.astype(x.dtype)

@@ -1,0 +1,1 @@
+"""Flax NNX model definitions, importable as `jax_dspark.models`."""
