@@ -28,6 +28,13 @@ def _load(name: str):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="jax-dspark", description=__doc__.splitlines()[0])
+    dist = parser.add_argument_group(
+        "multi-process (jax.distributed; defaults from JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
+    )
+    dist.add_argument("--coordinator", help="host:port of process 0")
+    dist.add_argument("--num-processes", type=int)
+    dist.add_argument("--process-id", type=int)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     available = {}
     for name, help_text in COMMANDS.items():
@@ -43,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from jax_dspark.parallel import initialize_distributed
+
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     return int(available[args.command].run(args) or 0)
 
 

@@ -2,7 +2,11 @@
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu") if os.environ.get("JAX_DSPARK_TEST_GPU") is None else None
+if os.environ.get("JAX_DSPARK_TEST_GPU") is None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # 8 fake CPU devices so the sharding tests (TP / EP / Helix) run anywhere.
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -186,26 +186,39 @@ def moe_experts(
     """
     _validate_experts(x, ids, weights, w_gate_up, w_down)
     if _ffi.use_kernel("moe_experts"):
-        from jax_dspark.ops import _kernels
+        from jax_dspark.ops import _moe_kernels
 
-        return _kernels.moe_experts(x, ids, weights, w_gate_up, w_down, limit=limit)
+        return _moe_kernels.moe_experts(x, ids, weights, w_gate_up, w_down, limit=limit)
     return moe_experts_reference(x, ids, weights, w_gate_up, w_down, limit=limit)
 
 
-def moe_experts_reference(x, ids, weights, w_gate_up, w_down, *, limit=None):
-    """Sort (token, slot) pairs by expert, two grouped matmuls, weighted scatter-add back."""
-    t, k = ids.shape
+def expert_rows(
+    rows: jax.Array, expert_of_row: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, limit=None
+) -> jax.Array:
+    """Each row through its own expert: `[R, d]`, `int32[R]` -> `f32[R, d]`.
+
+    Rows whose expert id is outside `[0, E)` give zeros (padding rows of an expert-parallel
+    dispatch buffer use -1). Rows are grouped by a stable sort so each expert runs one
+    matmul over a contiguous block (`jax.lax.ragged_dot`).
+    """
     e, _, two_i = w_gate_up.shape
-    flat = ids.reshape(-1)
-    # Out-of-range ids (only possible under jit) sort last and fall outside every group.
-    flat = jnp.where((flat >= 0) & (flat < e), flat, e)
-    order = jnp.argsort(flat, stable=True)
-    token_of = order // k
-    group_sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
-    rows = jnp.take(x, token_of, axis=0)
-    h = jax.lax.ragged_dot(rows, w_gate_up.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-    a = swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit=limit).astype(x.dtype)
-    y = jax.lax.ragged_dot(a, w_down.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-    w = jnp.take(weights.reshape(-1).astype(jnp.float32), order) * (jnp.take(flat, order) < e)
+    eid = jnp.where((expert_of_row >= 0) & (expert_of_row < e), expert_of_row, e)
+    order = jnp.argsort(eid, stable=True)
+    group_sizes = jnp.bincount(eid, length=e + 1)[:e].astype(jnp.int32)
+    sorted_rows = jnp.take(rows, order, axis=0)
+    h = jax.lax.ragged_dot(sorted_rows, w_gate_up.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+    a = swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit=limit).astype(rows.dtype)
+    y = jax.lax.ragged_dot(a, w_down.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+    # Rows past the last group are not written by ragged_dot's contract: zero them explicitly.
+    y = jnp.where((jnp.take(eid, order) < e)[:, None], y, 0.0)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def moe_experts_reference(x, ids, weights, w_gate_up, w_down, *, limit=None):
+    """Per (token, slot) row through its expert, weighted scatter-add back to tokens."""
+    t, k = ids.shape
+    token_of = jnp.arange(t * k) // k
+    y = expert_rows(jnp.take(x, token_of, axis=0), ids.reshape(-1), w_gate_up, w_down, limit=limit)
+    w = weights.reshape(-1).astype(jnp.float32)
     out = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(y * w[:, None])
     return out.astype(x.dtype)

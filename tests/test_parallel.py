@@ -1,0 +1,78 @@
+"""Sharded execution equals one device: rules, expert parallelism, Helix attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_dspark import ops, parallel
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def test_mesh_has_all_four_named_axes():
+    mesh = parallel.make_mesh(expert=4, tensor=2)
+    assert dict(mesh.shape) == {"data": 1, "sequence": 1, "expert": 4, "tensor": 2}
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        parallel.make_mesh(expert=4, tensor=4)
+
+
+def test_rules_place_matching_leaves_and_reject_indivisible_dims():
+    mesh = parallel.make_mesh(tensor=4)
+    rules = parallel.ShardingRules(((r"attn/w$", P(None, "tensor")), (r"emb", P("tensor"))))
+    tree = {"attn": {"w": jnp.ones((3, 8))}, "emb": jnp.ones((16, 2)), "norm": jnp.ones(8)}
+    placed = rules.apply(tree, mesh)
+    assert placed["attn"]["w"].sharding.spec == P(None, "tensor")
+    assert placed["emb"].sharding.spec == P("tensor")
+    assert placed["norm"].sharding.spec == P()
+    with pytest.raises(ValueError, match=r"attn/w: dim 6 not divisible"):
+        rules.apply({"attn": {"w": jnp.ones((3, 6))}}, mesh)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_expert_parallel_moe_equals_single_device(n):
+    rng = np.random.default_rng(n)
+    t, d, e, i, k = 32, 16, 16, 8, 3
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 4, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, i, d)) / 4, jnp.float32)
+    # skew the router so some devices receive far more rows than others
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[:, :3] += 3.0
+    w, ids = ops.topk_route(ops.router_scores(jnp.asarray(logits)), k)
+    ref = ops.moe_experts(x, ids, w, w1, w2, limit=1.0)
+    mesh = parallel.make_mesh(expert=n)
+    out = jax.jit(lambda *a: parallel.moe_experts_ep(*a, mesh=mesh, limit=1.0))(x, ids, w, w1, w2)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_helix_attention_equals_single_device_with_sink_applied_once():
+    rng = np.random.default_rng(0)
+    b, s, h, d, n, k = 2, 3, 4, 64, 64, 24
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    idx = rng.integers(-1, n, (b, s, k)).astype(np.int32)
+    idx[0, 0] = -1  # an empty list stays zero after the merge
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    freqs = ops.rope_table(128, 16, theta=1e4)[rng.integers(0, 128, (b, s))]
+    ref = ops.sparse_sink_attention(q, rows, idx, sink=sink, scale=0.125, inverse_rope=freqs)
+    mesh = parallel.make_mesh(sequence=8)
+    out = jax.jit(
+        lambda q, r, i: parallel.helix_sparse_sink_attention(
+            q, r, i, scale=0.125, sink=sink, inverse_rope=freqs, mesh=mesh
+        )
+    )(q, rows, idx)
+    assert rel_err(out, ref) < 1e-5
+    assert np.all(np.asarray(out[0, 0]) == 0)
+
+
+def test_distributed_needs_all_three_values():
+    assert parallel.initialize_distributed() is False
+    with pytest.raises(ValueError, match="need coordinator, num_processes and process_id"):
+        parallel.initialize_distributed(coordinator="127.0.0.1:1234")
