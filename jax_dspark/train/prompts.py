@@ -1,0 +1,147 @@
+"""Training prompts that never come from the evaluation sets.
+
+Acceptance is measured on `shared/data/prompts/` (GSM8K, HumanEval, MT-Bench); training on
+them would measure memorisation. The drafter is trained on the target's own answers to
+prompts built here, from three offline sources that need no download:
+
+- math word problems generated from templates with random names, items and numbers (the
+  style of grade-school math, none of its problems);
+- code prompts from the Python standard library installed with the interpreter: write a
+  function given its name, signature and the first line of its docstring, or explain a
+  short function's source;
+- general instructions from templates over topic word lists (explain, compare, list, write).
+
+Everything is deterministic in the seed.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import random
+import sysconfig
+from collections.abc import Iterator
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+_NAMES = ["Maya", "Liam", "Aisha", "Tomas", "Priya", "Kenji", "Sofia", "Omar", "Elena", "Noah",
+          "Zara", "Diego", "Hana", "Felix", "Amara", "Jonas", "Leila", "Ravi", "Ines", "Marco"]
+_ITEMS = [("apples", "basket"), ("stickers", "sheet"), ("pencils", "box"), ("cookies", "tray"),
+          ("marbles", "jar"), ("books", "shelf"), ("seeds", "packet"), ("eggs", "carton"),
+          ("cards", "deck"), ("bottles", "crate")]
+_MATH = [
+    "{a} has {x} {item}. {b} gives {a} {y} more, and then {a} uses {z} of them. How many {item} does {a} have now?",
+    "A {unit} holds {x} {item}. {a} buys {y} {unit}s and gives away {z} {item}. How many {item} are left?",
+    "{a} earns ${x} per hour and works {y} hours a week. After spending ${z} each week, how much does {a} save in {w} weeks?",
+    "{a} reads {x} pages on Monday and twice as many on Tuesday. If the book has {y} pages, how many pages are left after Tuesday?",
+    "There are {x} students in a class. {p}% of them play soccer and {q} of the rest play chess. How many students play chess?",
+    "{a} runs {x} kilometers every day for {y} days, then rests for {z} days and runs {w} kilometers a day for another {y} days. How far did {a} run in total?",
+    "A shop sells {item} at ${x} each. {a} buys {y} and pays with ${big}. How much change does {a} get?",
+    "{a} and {b} share {x} {item} so that {a} gets {y} more than {b}. How many {item} does {b} get?",
+    "A train travels {x} km in {y} hours. At the same speed, how long does it take to travel {big} km?",
+    "{a} saves ${x} in the first month and ${y} more each month than the month before. How much has {a} saved after {z} months?",
+    "A rectangle has a perimeter of {big} cm and a width of {x} cm. What is its area?",
+    "{a} bakes {x} trays of {item} with {y} on each tray. {a} sells {p}% of them. How many are not sold?",
+]
+_TOPICS = ["photosynthesis", "compound interest", "the water cycle", "binary search", "plate tectonics",
+           "supply and demand", "vaccines", "black holes", "recursion", "the French Revolution",
+           "machine learning", "climate change", "the immune system", "prime numbers", "electric cars",
+           "the stock market", "sleep", "volcanoes", "democracy", "the internet", "gravity", "DNA",
+           "renewable energy", "inflation", "the Roman Empire", "hash tables", "bees", "coffee"]
+_PAIRS = [("cats", "dogs"), ("Python", "JavaScript"), ("tea", "coffee"), ("trains", "planes"),
+          ("renting", "buying a home"), ("email", "phone calls"), ("solar power", "wind power"),
+          ("books", "films"), ("cities", "the countryside"), ("TCP", "UDP"), ("lists", "tuples")]
+_TASKS = [
+    "Explain {topic} to a twelve-year-old.",
+    "Write a short paragraph about {topic}.",
+    "Give three interesting facts about {topic}.",
+    "What are the main advantages and disadvantages of {a} compared with {b}?",
+    "Write a short poem about {topic}.",
+    "Summarize the key ideas of {topic} in five bullet points.",
+    "Write a friendly email inviting a colleague to a talk about {topic}.",
+    "What are common misconceptions about {topic}?",
+    "Compare {a} and {b} in a short table, then give a recommendation.",
+    "Write a short story in which a child learns about {topic}.",
+    "List five questions a student might ask about {topic}, with brief answers.",
+    "Give step-by-step advice for someone who wants to learn about {topic}.",
+]
+
+
+def math_prompts(rng: random.Random, n: int) -> Iterator[str]:
+    for _ in range(n):
+        a, b = rng.sample(_NAMES, 2)
+        item, unit = rng.choice(_ITEMS)
+        x, y = rng.randint(3, 60), rng.randint(2, 25)
+        z = rng.randint(1, max(1, min(x, 20)))
+        text = rng.choice(_MATH).format(
+            a=a, b=b, item=item, unit=unit, x=x, y=y, z=z, w=rng.randint(2, 12),
+            p=rng.choice([10, 20, 25, 40, 50, 75]), q=rng.randint(1, 9), big=rng.randint(100, 900),
+        )
+        yield text + MATH_SUFFIX
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_functions(limit_files: int, seed: int) -> tuple[tuple[str, str, str], ...]:
+    """(signature, docstring first line, source) of documented stdlib functions."""
+    rng = random.Random(seed)
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "idlelib", "site-packages", "lib2to3"))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    rng.shuffle(files)
+    found = []
+    for path in files[:limit_files]:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                source = fh.read()
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                segment = ast.get_source_segment(source, node) or ""
+                if doc and 3 <= len(segment.splitlines()) <= 30:
+                    sig = f"{node.name}({ast.unparse(node.args)})"
+                    found.append((sig, doc.strip().splitlines()[0], segment))
+    return tuple(found)
+
+
+def code_prompts(rng: random.Random, n: int) -> Iterator[str]:
+    funcs = list(_stdlib_functions(150, rng.randrange(2**31)))
+    rng.shuffle(funcs)
+    for i in range(min(n, len(funcs))):
+        sig, doc, source = funcs[i]
+        if i % 2 == 0:
+            yield f"Write a Python function `{sig}`. It should do the following: {doc}"
+        else:
+            yield f"Explain what this Python function does:\n```python\n{source}\n```"
+
+
+def instruction_prompts(rng: random.Random, n: int) -> Iterator[str]:
+    for _ in range(n):
+        a, b = rng.choice(_PAIRS)
+        yield rng.choice(_TASKS).format(topic=rng.choice(_TOPICS), a=a, b=b)
+
+
+def training_prompts(n: int, *, seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.35, 0.25)) -> list[str]:
+    """`n` distinct prompts: math / code / instructions in proportion `mix`, shuffled."""
+    if n < 1:
+        raise ValueError(f"n: must be >= 1 (got {n})")
+    rng = random.Random(seed)
+    counts = [int(n * m) for m in mix]
+    counts[0] += n - sum(counts)
+    seen: set[str] = set()
+    out: list[str] = []
+    for source, count in zip((math_prompts, code_prompts, instruction_prompts), counts):
+        for prompt in source(rng, count * 3):
+            if len(out) >= n or count <= 0:
+                break
+            if prompt not in seen:
+                seen.add(prompt)
+                out.append(prompt)
+                count -= 1
+    rng.shuffle(out)
+    return out
