@@ -1,0 +1,150 @@
+"""DSpark's two small heads: the low-rank Markov (bigram) head and the confidence head.
+
+Both sit after the drafter's parallel backbone and its LM head (see
+`../shared/notes/dspark-spec.md` section 3):
+
+* `MarkovHead` adds `B(prev, .) = W1[prev] @ W2^T` to each draft position's logits, where
+  `prev` is the token actually drawn at the previous position (the anchor for position 0).
+  It is the only sequential part of the proposal, one row gather plus one `r x V` mat-vec
+  per step, so the backbone and the LM head still run once per block.
+* `ConfidenceHead` predicts, per position, the probability that the draft is accepted given
+  that every earlier one was: `logit = w . [h; W1[prev]] (+ b)`. It sees the predecessor,
+  never the draft itself, which keeps the scheduler that consumes it non-anticipating.
+  It returns raw logits; sigmoid and the per-position STS temperatures belong to the
+  consumer (`jax_dspark.spec.sts.calibrated_confidence`), because the temperatures are
+  fitted after training and are not part of the checkpoint.
+
+The heads are separate modules (not methods of the drafter) so the V4-embedded drafter and
+the standalone dense drafter share them, and so the proposal code can be tested without a
+backbone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class MarkovHead(nnx.Module):
+    """Vanilla low-rank Markov head: `bias(prev) = W1[prev] @ W2^T`, computed in float32.
+
+    Attributes:
+      w1: `[V, r]` predecessor embedding table (`markov_w1` in checkpoints); also the
+        predecessor feature the confidence head reads.
+      w2: `[V, r]` logit projection (`markov_w2`), applied transposed.
+
+    An out-of-vocabulary or negative predecessor (padding requests, ids beyond the Markov
+    vocabulary) gets a zero bias rather than a clamped row: a clamped lookup would inject a
+    real token's bigram statistics into a position that has no such predecessor.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        rank: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: must be >= 1 (got {vocab_size!r})")
+        if rank < 1:
+            raise ValueError(f"rank: must be >= 1 (got {rank!r})")
+        self.vocab_size = vocab_size
+        self.rank = rank
+        # Scales chosen so a fresh head's bias has variance ~1/r: visible in tiny random
+        # configs, small next to the LM head's logits.
+        scale = rank**-0.5
+        self.w1 = nnx.Param(scale * jax.random.normal(rngs.params(), (vocab_size, rank), param_dtype))
+        self.w2 = nnx.Param(scale * jax.random.normal(rngs.params(), (vocab_size, rank), param_dtype))
+
+    def embed(self, prev: jax.Array) -> jax.Array:
+        """Guarded predecessor embedding `W1[prev]`.
+
+        Args:
+          prev: `i32[...]` predecessor token ids (any value; out-of-range means "none").
+        Returns:
+          `f32[..., r]`, zero rows where `prev < 0` or `prev >= V`.
+        """
+        prev = jnp.asarray(prev, jnp.int32)
+        valid = (prev >= 0) & (prev < self.vocab_size)
+        rows = jnp.take(self.w1[...], jnp.where(valid, prev, 0), axis=0).astype(jnp.float32)
+        return jnp.where(valid[..., None], rows, 0.0)
+
+    def __call__(self, prev: jax.Array) -> jax.Array:
+        """Markov bias for each predecessor.
+
+        Args:
+          prev: `i32[...]` predecessor token ids.
+        Returns:
+          `f32[..., V]` = `W1[prev] @ W2^T` in float32; zero where `prev` is out of vocab.
+        """
+        return self.embed(prev) @ self.w2[...].astype(jnp.float32).T
+
+
+class ConfidenceHead(nnx.Module):
+    """Per-position acceptance logit `w . [h; e] (+ b)`, evaluated in float32.
+
+    Attributes:
+      w: `[d + r]` weight (the V4 checkpoint's `proj [1, d + r]`, flattened); the first `d`
+        entries multiply the hidden state, the last `r` the Markov predecessor embedding.
+      b: scalar bias, present only with `use_bias=True` (DeepSpec checkpoints have one, V4
+        checkpoints do not; a missing bias is not the same as a zero one when loading
+        strictly, so the parameter exists only when asked for).
+
+    With `markov_rank = 0` the head reads the hidden state alone (a drafter without a
+    Markov head).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        markov_rank: int,
+        *,
+        rngs: nnx.Rngs,
+        use_bias: bool = False,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size: must be >= 1 (got {hidden_size!r})")
+        if markov_rank < 0:
+            raise ValueError(f"markov_rank: must be >= 0 (got {markov_rank!r})")
+        self.hidden_size = hidden_size
+        self.markov_rank = markov_rank
+        self.use_bias = use_bias
+        width = hidden_size + markov_rank
+        self.w = nnx.Param(width**-0.5 * jax.random.normal(rngs.params(), (width,), param_dtype))
+        self.b = nnx.Param(jnp.zeros((), param_dtype)) if use_bias else None
+
+    def __call__(self, hidden: jax.Array, prev_embedding: jax.Array | None = None) -> jax.Array:
+        """Raw confidence logits.
+
+        Args:
+          hidden: `[..., d]` drafter hidden state of each position (any float dtype).
+          prev_embedding: `[..., r]` = `MarkovHead.embed(prev)` of each position's
+            predecessor; required iff `markov_rank > 0`.
+        Returns:
+          `f32[...]` logits (no sigmoid, no temperature).
+        """
+        d, r = self.hidden_size, self.markov_rank
+        if hidden.shape[-1] != d:
+            raise ValueError(f"hidden: last dim must be hidden_size={d} (got shape {hidden.shape})")
+        w = self.w[...].astype(jnp.float32)
+        logit = hidden.astype(jnp.float32) @ w[:d]
+        if r > 0:
+            if prev_embedding is None:
+                raise ValueError("prev_embedding: required when markov_rank > 0 (got None)")
+            if prev_embedding.shape != hidden.shape[:-1] + (r,):
+                raise ValueError(
+                    f"prev_embedding: shape must be {hidden.shape[:-1] + (r,)} "
+                    f"(got {prev_embedding.shape})"
+                )
+            logit = logit + prev_embedding.astype(jnp.float32) @ w[d:]
+        elif prev_embedding is not None:
+            raise ValueError(
+                f"prev_embedding: must be None when markov_rank = 0 (got shape {prev_embedding.shape})"
+            )
+        if self.b is not None:
+            logit = logit + self.b[...].astype(jnp.float32)
+        return logit

@@ -1,0 +1,87 @@
+"""DSpark Markov and confidence heads: bias formula, guarded lookup, confidence input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_dspark.models.dspark_heads import ConfidenceHead, MarkovHead
+
+V, R, D = 11, 4, 6
+
+
+def _markov(seed: int = 0, dtype=jnp.float32) -> MarkovHead:
+    return MarkovHead(V, R, rngs=nnx.Rngs(seed), param_dtype=dtype)
+
+
+def test_markov_bias_is_w1_row_times_w2_transpose():
+    head = _markov()
+    prev = jnp.array([[3, 0], [10, 7]], jnp.int32)
+    w1 = np.asarray(head.w1[...], np.float64)
+    w2 = np.asarray(head.w2[...], np.float64)
+    expected = w1[np.asarray(prev)] @ w2.T
+    got = head(prev)
+    assert got.shape == (2, 2, V) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("prev", [-1, -7, V, V + 5])
+def test_markov_bias_is_zero_for_out_of_vocab_predecessor(prev):
+    head = _markov(1)
+    out = head(jnp.array([prev, 2], jnp.int32))
+    assert np.all(np.asarray(out[0]) == 0.0)
+    assert np.any(np.asarray(out[1]) != 0.0)
+    assert np.all(np.asarray(head.embed(jnp.array([prev])))[0] == 0.0)
+
+
+def test_markov_bias_is_float32_for_bfloat16_weights():
+    head = _markov(2, jnp.bfloat16)
+    got = head(jnp.array([5], jnp.int32))
+    w1 = np.asarray(head.w1[...].astype(jnp.float32), np.float64)
+    w2 = np.asarray(head.w2[...].astype(jnp.float32), np.float64)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got)[0], w1[5] @ w2.T, rtol=1e-5, atol=1e-6)
+
+
+def test_confidence_logit_is_weight_dot_hidden_and_predecessor_embedding():
+    markov = _markov(3)
+    head = ConfidenceHead(D, R, rngs=nnx.Rngs(4))
+    hidden = jax.random.normal(jax.random.key(5), (2, 3, D), jnp.bfloat16)
+    prev = jnp.array([[1, 4, 9], [0, -1, 10]], jnp.int32)
+    got = head(hidden, markov.embed(prev))
+    feats = np.concatenate(
+        [np.asarray(hidden.astype(jnp.float32), np.float64), np.asarray(markov.embed(prev), np.float64)], axis=-1
+    )
+    expected = feats @ np.asarray(head.w[...], np.float64)
+    assert got.shape == (2, 3) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_confidence_bias_exists_only_when_requested_and_is_added():
+    hidden = jax.random.normal(jax.random.key(6), (4, D))
+    without = ConfidenceHead(D, 0, rngs=nnx.Rngs(7))
+    assert without.b is None
+    with_bias = ConfidenceHead(D, 0, rngs=nnx.Rngs(7), use_bias=True)
+    with_bias.b[...] = jnp.asarray(0.75)
+    np.testing.assert_allclose(np.asarray(with_bias(hidden) - without(hidden)), 0.75, rtol=1e-6)
+
+
+def test_confidence_head_requires_predecessor_embedding_when_it_has_markov_rank():
+    head = ConfidenceHead(D, R, rngs=nnx.Rngs(8))
+    with pytest.raises(ValueError, match="prev_embedding"):
+        head(jnp.ones((2, D)))
+
+
+def test_confidence_head_rejects_wrong_hidden_width():
+    head = ConfidenceHead(D, 0, rngs=nnx.Rngs(9))
+    with pytest.raises(ValueError, match="hidden"):
+        head(jnp.ones((2, D + 1)))
+
+
+@pytest.mark.parametrize("vocab,rank", [(0, 4), (8, 0)])
+def test_markov_head_rejects_empty_sizes(vocab, rank):
+    with pytest.raises(ValueError):
+        MarkovHead(vocab, rank, rngs=nnx.Rngs(0))
