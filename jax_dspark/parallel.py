@@ -81,6 +81,7 @@ class ShardingRules:
 
         def one(key_path, leaf):
             path = "/".join(_key_name(k) for k in key_path)
+            path = path[: -len("/value")] if path.endswith("/value") else path  # nnx Variables
             return NamedSharding(mesh, self.spec_for(path, tuple(np.shape(leaf)), mesh))
 
         return jax.tree_util.tree_map_with_path(one, tree)
@@ -88,6 +89,24 @@ class ShardingRules:
     def apply(self, tree, mesh: Mesh):
         """`tree` placed on `mesh` by these rules."""
         return jax.device_put(tree, self.shardings(tree, mesh))
+
+
+# DeepSeek-V4 (and the V4-embedded drafter, whose blocks share these names): experts over
+# `expert`; attention heads, output-projection groups, the shared expert's FFN and the
+# vocabulary over `tensor`. Everything else (norms, mHC, compressor, indexer) is small and
+# replicated. Caches stay replicated (their slot pools carry a scratch slot, so they do not
+# split evenly over `data`).
+V4_RULES = ShardingRules((
+    (r"mlp/experts/(gate_up|down)_proj$", P("expert")),
+    (r"mlp/shared_experts/gate_up_proj$", P(None, "tensor")),
+    (r"mlp/shared_experts/down_proj$", P("tensor", None)),
+    (r"self_attn/q_b_proj$", P(None, "tensor")),
+    (r"self_attn/o_a_proj$", P("tensor")),
+    (r"self_attn/o_b_proj$", P("tensor", None)),
+    (r"self_attn/sinks$", P("tensor")),
+    (r"^embed_tokens$", P("tensor", None)),
+    (r"^lm_head$", P(None, "tensor")),
+))
 
 
 def _key_name(key) -> str:

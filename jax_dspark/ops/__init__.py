@@ -20,6 +20,7 @@ from jax_dspark.ops.fp8 import (
     quantize_fp8_weight,
 )
 from jax_dspark.ops.moe import (
+    expert_parallel,
     hash_route,
     mlp_swiglu,
     moe_experts,
@@ -59,6 +60,7 @@ __all__ = [
     "apply_rope",
     "dequantize_fp8",
     "dequantize_fp8_weight",
+    "expert_parallel",
     "force",
     "fp8_round_trip",
     "gumbel_sample",

@@ -11,6 +11,8 @@ GPU), then scatters the weighted rows back to token order.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Literal
 
 import jax
@@ -21,6 +23,22 @@ from jax_dspark import _ffi
 from jax_dspark.ops import _checks
 
 ScoreKind = Literal["sqrt_softplus", "sigmoid", "softmax"]
+
+# (mesh, axis) while `expert_parallel` is active: `moe_experts` then runs expert-parallel
+# through `jax_dspark.parallel.moe_experts_ep`, so models need no code change to use EP.
+_EXPERT_PARALLEL: contextvars.ContextVar = contextvars.ContextVar("expert_parallel", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallel(mesh, axis: str = "expert"):
+    """Within this context (at trace time) `moe_experts` splits experts over `mesh[axis]`."""
+    if axis not in mesh.shape:
+        _checks.fail("axis", f"not a mesh axis {tuple(mesh.shape)}", axis)
+    token = _EXPERT_PARALLEL.set((mesh, axis))
+    try:
+        yield
+    finally:
+        _EXPERT_PARALLEL.reset(token)
 
 
 def router_scores(logits: jax.Array, kind: ScoreKind = "sqrt_softplus") -> jax.Array:
@@ -185,11 +203,30 @@ def moe_experts(
       `[T, d]` in x's dtype (f32 accumulation).
     """
     _validate_experts(x, ids, weights, w_gate_up, w_down)
+    ep = _EXPERT_PARALLEL.get()
+    if ep is not None and ep[0].shape[ep[1]] > 1:
+        return _moe_experts_ep_padded(x, ids, weights, w_gate_up, w_down, limit, *ep)
     if _ffi.use_kernel("moe_experts"):
         from jax_dspark.ops import _moe_kernels
 
         return _moe_kernels.moe_experts(x, ids, weights, w_gate_up, w_down, limit=limit)
     return moe_experts_reference(x, ids, weights, w_gate_up, w_down, limit=limit)
+
+
+def _moe_experts_ep_padded(x, ids, weights, w_gate_up, w_down, limit, mesh, axis):
+    """Pad tokens to a multiple of the expert axis (zero-weight rows), run EP, drop the pad."""
+    from jax_dspark.parallel import moe_experts_ep
+
+    n = mesh.shape[axis]
+    t = x.shape[0]
+    pad = (-t) % n
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros((pad, x.shape[1]), x.dtype)])
+        # padding rows pick experts 0..k-1 (distinct) with weight 0: they cost compute, add nothing
+        ids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=ids.dtype), (pad, ids.shape[1]))])
+        weights = jnp.concatenate([weights, jnp.zeros((pad, weights.shape[1]), weights.dtype)])
+    out = moe_experts_ep(x, ids, weights, w_gate_up, w_down, mesh=mesh, axis=axis, limit=limit)
+    return out[:t]
 
 
 def expert_rows(
