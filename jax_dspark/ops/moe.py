@@ -85,6 +85,10 @@ def topk_route(
         _checks.fail("k", f"must be an int in [1, E={e}]", k)
     if bias is not None and _checks.shape_of(bias) != (e,):
         _checks.fail("bias", f"shape must be (E,)=({e},)", _checks.shape_of(bias))
+    if _ffi.use_kernel("moe_route"):
+        from jax_dspark.ops import _moe_kernels
+
+        return _moe_kernels.topk_route(scores, k, bias=bias, route_scale=route_scale, renormalize=renormalize)
     select = scores.astype(jnp.float32)
     if bias is not None:
         select = select + bias.astype(jnp.float32)
@@ -122,6 +126,10 @@ def hash_route(
     tab = _checks.concrete(table)
     if tab is not None and tab.size and (tab.min() < 0 or tab.max() >= e):
         _checks.fail("table", f"expert ids must be in [0, E={e})", (int(tab.min()), int(tab.max())))
+    if _ffi.use_kernel("moe_route"):
+        from jax_dspark.ops import _moe_kernels
+
+        return _moe_kernels.hash_route(scores, token_ids, table, route_scale=route_scale, renormalize=renormalize)
     ids = jnp.take(table, jnp.clip(token_ids, 0, v - 1), axis=0)
     return _weights_from(scores, ids, renormalize, route_scale), ids
 
