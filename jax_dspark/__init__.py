@@ -26,3 +26,10 @@ def kernels() -> dict[str, str]:
     from jax_dspark import _ffi
 
     return _ffi.kernel_report()
+
+
+def generate(*args, **kwargs):
+    """Speculative generation; see `jax_dspark.spec.engine.generate` (imported on first use)."""
+    from jax_dspark.spec.engine import generate as _generate
+
+    return _generate(*args, **kwargs)

@@ -48,10 +48,7 @@ from flax import nnx
 
 from jax_dspark import ops
 
-try:  # `jax_dspark.models.llama_config` when installed, `models.llama_config` in a checkout
-    from jax_dspark.models.llama_config import CONFIGS, SMOLLM2_135M, TINY, LlamaConfig
-except ImportError:  # pragma: no cover
-    from models.llama_config import CONFIGS, SMOLLM2_135M, TINY, LlamaConfig
+from jax_dspark.models.llama_config import CONFIGS, SMOLLM2_135M, TINY, LlamaConfig
 
 __all__ = [
     "CONFIGS", "SMOLLM2_135M", "TINY", "LlamaConfig", "LlamaCache", "Llama", "LAYER_PARAMS",

@@ -17,12 +17,8 @@ from typing import Any
 
 import numpy as np
 
-try:  # `jax_dspark.models` when installed, `models` in a source checkout
-    from jax_dspark.models.llama import LAYER_PARAMS
-    from jax_dspark.models.llama_config import LlamaConfig
-except ImportError:  # pragma: no cover
-    from models.llama import LAYER_PARAMS
-    from models.llama_config import LlamaConfig
+from jax_dspark.models.llama import LAYER_PARAMS
+from jax_dspark.models.llama_config import LlamaConfig
 
 __all__ = [
     "open_gguf", "gguf_metadata", "dequantize", "unpermute_rope_rows", "permute_rope_rows",

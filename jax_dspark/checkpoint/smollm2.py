@@ -23,12 +23,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-try:  # `jax_dspark.models` when installed, `models` in a source checkout
-    from jax_dspark.models.llama import Llama, llama_from_params
-    from jax_dspark.models.llama_config import SMOLLM2_135M
-except ImportError:  # pragma: no cover
-    from models.llama import Llama, llama_from_params
-    from models.llama_config import SMOLLM2_135M
+from jax_dspark.models.llama import Llama, llama_from_params
+from jax_dspark.models.llama_config import SMOLLM2_135M
 
 from jax_dspark.checkpoint import gguf as _gguf
 from jax_dspark.tokenizer import ChatTokenizer

@@ -31,9 +31,20 @@ from jax_dspark.spec.profile import profile_sps
 # Calibration
 from jax_dspark.spec.sts import StsFit, calibrated_confidence, expected_calibration_error, fit_sts
 
-# Engine (jitted decode round, generate loop): names added by the engine's author.
+# Engine (jitted decode round, generate loop)
+from jax_dspark.spec.engine import GenerateResult, GenerateStats, SpeculativeEngine, decode_round, generate, prefill
+from jax_dspark.spec.state import DecodeState, RoundStats, Scheduler
 
 __all__ = [
+    "DecodeState",
+    "GenerateResult",
+    "GenerateStats",
+    "RoundStats",
+    "Scheduler",
+    "SpeculativeEngine",
+    "decode_round",
+    "generate",
+    "prefill",
     "PAD_TOKEN",
     "Proposal",
     "SURVIVAL_EPS",

@@ -1,0 +1,117 @@
+"""The speculative engine on the tiny Llama target: losslessness, bookkeeping, one jitted round.
+
+Shapes here (3 prompts of <= 16 tokens, 10 new tokens) match tests/test_generate_cli.py so
+the CLI test reuses these compiled programs; keep them in sync.
+"""
+
+from __future__ import annotations
+
+import re
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_dspark.models.dspark import tiny_dspark
+from jax_dspark.models.dspark_model_drafter import ModelDrafter
+from jax_dspark.models.llama import tiny_llama
+from jax_dspark.ops.sampling import SamplingParams
+from jax_dspark.spec.engine import SpeculativeEngine, generate
+from jax_dspark.spec.schedule import SpsTable
+from jax_dspark.spec.state import Scheduler
+
+PROMPTS = [[5, 17, 300], list(range(40, 51)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 99, 98, 97, 96, 95, 94, 93]]
+MAX_NEW = 10
+# Verify throughput falls fast with batch tokens, so the scheduler really trims blocks.
+STEEP = SpsTable.create([1.0, 4.0, 8.0, 16.0], [1.0, 0.9, 0.5, 0.2])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _teacher_forced_argmax(graphdef, params, tokens, lengths):
+    """`i32[B, S]` argmax of the target's logits over whole sequences from an empty cache."""
+    target = nnx.merge(graphdef, params)
+    b, s = tokens.shape
+    logits, _, _ = target(tokens, target.init_cache(b, s), slots=jnp.arange(b, dtype=jnp.int32),
+                          starts=jnp.zeros((b,), jnp.int32), lengths=lengths)
+    return jnp.argmax(logits, axis=-1)
+
+
+def _greedy_continuation_errors(target, prompts, outputs) -> list[tuple[int, int]]:
+    """(request, step) pairs where an output token is not the target's argmax after its prefix.
+
+    One teacher-forced forward over prompt + output per request: the target's own greedy
+    decoding is exactly the sequence where every token is the argmax of the row before it.
+    """
+    seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    width = max(map(len, seqs))
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s)] = s
+    lens = jnp.asarray([len(s) for s in seqs], jnp.int32)
+    argmax = np.asarray(_teacher_forced_argmax(*nnx.split(target), jnp.asarray(tokens), lens))
+    bad = []
+    for b, (p, o) in enumerate(zip(prompts, outputs)):
+        for k, tok in enumerate(o):
+            if argmax[b, len(p) - 1 + k] != tok:
+                bad.append((b, k))
+    return bad
+
+
+@pytest.mark.parametrize("scheduler", [None, Scheduler(table=STEEP)], ids=["verify_all", "causal_schedule"])
+def test_greedy_speculative_output_equals_greedy_plain_decoding(scheduler):
+    for seed in (0, 3):
+        target = tiny_llama(seed)
+        plain = generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, seed=seed)
+        spec = generate(target, tiny_dspark(target.config, seed=seed + 1), PROMPTS, max_new_tokens=MAX_NEW,
+                        seed=seed, scheduler=scheduler)
+        assert spec.tokens == plain.tokens, f"seed {seed}"
+        assert _greedy_continuation_errors(target, PROMPTS, plain.tokens) == [], f"seed {seed}"
+        if scheduler is not None:
+            assert spec.stats.verify_rate < 1.0, "the steep table should trim some blocks"
+
+
+def test_prefill_in_chunks_gives_the_same_tokens_as_one_chunk():
+    target = tiny_llama(0)
+    drafter = tiny_dspark(target.config, seed=1)
+    # Chunks of 4 rows: the three prompts end in the first, third and fourth chunk.
+    chunked = generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, prefill_chunk=4)
+    whole = generate(target, None, PROMPTS, max_new_tokens=MAX_NEW)
+    assert chunked.tokens == whole.tokens
+
+
+def test_target_as_its_own_drafter_is_always_fully_accepted_when_sampling():
+    target = tiny_llama(0)
+    g = 3
+    result = generate(target, ModelDrafter(target, g), PROMPTS, max_new_tokens=MAX_NEW,
+                      sampling=SamplingParams(temperature=1.0), seed=1)
+    assert result.stats.acceptance_length == g + 1
+    assert result.stats.per_position_acceptance == [1.0] * g
+    # 1 token from prefill + rounds of g + 1 tokens each.
+    assert result.stats.rounds == -(-(MAX_NEW - 1) // (g + 1))
+    assert all(len(t) == MAX_NEW for t in result.tokens)
+
+
+def test_decode_round_lowers_to_one_computation_without_host_callbacks():
+    target = tiny_llama(0)
+    engine = SpeculativeEngine(
+        target, tiny_dspark(target.config), max_new_tokens=6,
+        sampling=SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+        scheduler=Scheduler(table=STEEP, kind="budgeted", min_len=1),
+    )
+    text = engine.lower_step(engine.init_state(2, 8)).as_text()
+    assert text.count("func.func public") == 1
+    assert "callback" not in text.lower()
+    targets = set(re.findall(r"custom_call\s*@([\w.]+)", text))
+    assert not any("host" in t or "python" in t for t in targets), targets
+    # Donated state: the caches are updated in place (input aliased to an output).
+    assert len(re.findall(r"tf\.aliasing_output", text)) >= 4
+
+
+def test_generate_rejects_prompts_with_out_of_vocabulary_ids():
+    target = tiny_llama(0)
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        generate(target, None, [[1, 2], [3, target.config.vocab_size]], max_new_tokens=2)
