@@ -121,6 +121,14 @@ class DeepseekV4(nnx.Module):
             self.cache_specs(), num_slots, max_len, max_tokens_per_call=max_tokens_per_call,
             page_size=page_size, dtype=self.config.cache_dtype, tables=tables)
 
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings `[..., d]` (shared with the DSpark drafter)."""
+        return jnp.take(self.embed_tokens[...], jnp.asarray(tokens, jnp.int32), axis=0, mode="clip")
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """The LM head alone (no HC head, no final norm): `f32[..., V]` logits of `h [..., d]`."""
+        return jnp.dot(h, self.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
+
     def __call__(self, tokens: jax.Array, cache: kvcache.DeepseekV4Cache, *,
                  slots: jax.Array, starts: jax.Array, lengths: jax.Array,
                  ) -> tuple[jax.Array, jax.Array, kvcache.DeepseekV4Cache]:
@@ -147,7 +155,7 @@ class DeepseekV4(nnx.Module):
                 raise ValueError(f"{name}.shape={jnp.shape(arr)}: expected ({b},)")
         ctx = StepContext.make(slots, starts, lengths, s, *cache.tables)
         tokens = tokens.astype(jnp.int32)
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        x = self.embed(tokens)
         streams = jnp.broadcast_to(x[:, :, None, :], (b, s, c.hc_mult, c.hidden_size))
         captured: dict[int, jax.Array] = {}
         layer_caches = []
@@ -159,7 +167,7 @@ class DeepseekV4(nnx.Module):
         if c.num_layers in c.capture_layers:
             captured[c.num_layers] = streams.astype(jnp.float32).mean(axis=2).astype(c.dtype)
         h = ops.rms_norm(self.hc_head(streams), self.norm[...], eps=c.rms_eps)
-        logits = jnp.dot(h, self.lm_head[...], preferred_element_type=jnp.float32)
+        logits = self.unembed(h)
         if c.capture_layers:
             hiddens = jnp.stack([captured[i] for i in c.capture_layers], axis=2)
         else:

@@ -188,24 +188,13 @@ def block_input_ids(anchor: jax.Array, block_size: int, noise_token_id: int) -> 
 
 
 def shared_embed(target, ids: jax.Array) -> jax.Array:
-    """The target's token embeddings `[..., d]` of `ids [...]` (the drafter has no table).
-
-    Uses `target.embed` (the Llama target's method); a DeepSeek-V4 target without one is
-    read through its `embed_tokens` table.
-    """
-    if hasattr(target, "embed"):
-        return target.embed(ids)
-    return jnp.take(target.embed_tokens[...], jnp.asarray(ids, jnp.int32), axis=0, mode="clip")
+    """The target's token embeddings `[..., d]` of `ids [...]` (the drafter has no table)."""
+    return target.embed(ids)
 
 
 def shared_unembed(target, h: jax.Array) -> jax.Array:
-    """The target's LM head alone (no final norm): `f32[..., V]` logits of `h [..., d]`.
-
-    Uses `target.unembed`; a DeepSeek-V4 target without one is read through `lm_head`.
-    """
-    if hasattr(target, "unembed"):
-        return target.unembed(h)
-    return jnp.dot(h, target.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
+    """The target's LM head alone (no final norm): `f32[..., V]` logits of `h [..., d]`."""
+    return target.unembed(h)
 
 
 def _cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
