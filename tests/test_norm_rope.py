@@ -70,3 +70,18 @@ def test_yarn_keeps_high_frequencies_and_divides_low_ones_by_factor():
 def test_apply_rope_rejects_freqs_wider_than_x():
     with pytest.raises(ValueError, match=r"freqs: rope_dim 16 exceeds"):
         ops.apply_rope(jnp.ones((2, 8)), jnp.ones((2, 8, 2)))
+
+
+def test_rms_norm_rope_is_the_composition_and_can_emit_fp8():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(128), jnp.float32)
+    freqs = ops.rope_table(64, 32, theta=1e4)[rng.integers(0, 64, (2, 3))][:, :, None]
+    y = ops.rms_norm_rope(x, w, freqs, eps=1e-6)
+    np.testing.assert_allclose(y, ops.apply_rope(ops.rms_norm(x, w), freqs), rtol=1e-6, atol=1e-6)
+    values, exps = ops.rms_norm_rope(x, w, freqs, inverse=True, fp8_block=64)
+    ref_v, ref_e = ops.quantize_fp8(ops.apply_rope(ops.rms_norm(x, w), freqs, inverse=True), 64)
+    np.testing.assert_array_equal(exps, ref_e)
+    np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(ref_v, np.float32))
+    with pytest.raises(ValueError, match="freqs"):
+        ops.rms_norm_rope(x, w, freqs[:, :2])

@@ -30,6 +30,7 @@ from jax_dspark.ops.moe import (
     topk_route,
 )
 from jax_dspark.ops.norm import rms_norm
+from jax_dspark.ops.prep import rms_norm_rope, rms_norm_rope_reference
 from jax_dspark.ops.rope import YarnScaling, apply_rope, rope_table
 from jax_dspark.ops.sampling import SamplingParams, gumbel_sample, probabilities, process_logits, sample
 
@@ -74,6 +75,8 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_weight",
     "rms_norm",
+    "rms_norm_rope",
+    "rms_norm_rope_reference",
     "rope_table",
     "router_scores",
     "sample",

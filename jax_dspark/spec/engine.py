@@ -415,7 +415,7 @@ class SpeculativeEngine:
 
     def done(self, state: DecodeState) -> bool:
         """Whether every request has `max_new_tokens` tokens (one small device read)."""
-        return bool(np.all(np.asarray(state.num_out) >= self.max_new_tokens))
+        return bool(np.all(_host(state.num_out) >= self.max_new_tokens))
 
 
 # -- generate -----------------------------------------------------------------------------------
@@ -487,9 +487,23 @@ def _pad_prompts(prompts: Sequence[Sequence[int]], vocab: int,
     return out, np.asarray(lens, np.int32)
 
 
+def _host(tree):
+    """Device -> numpy, also for arrays spanning other processes' devices (jax.distributed):
+    those are gathered from every process first, so all processes see the same values."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
 def _summarise(state: DecodeState, g: int, ttft: float, decode_s: float, compile_s: float,
                num_tokens: int, rounds: int) -> GenerateStats:
-    s = jax.device_get(state.stats)
+    s = _host(state.stats)
     total_rounds = int(np.sum(s.rounds))
     verified = np.asarray(s.verified, np.float64)
     accepted = np.asarray(s.accepted, np.float64)
@@ -562,7 +576,7 @@ def generate(
     t1 = time.perf_counter()
     rounds = 0
     while True:
-        done_counts = np.minimum(np.asarray(state.num_out), engine.max_new_tokens)
+        done_counts = np.minimum(_host(state.num_out), engine.max_new_tokens)
         if progress is not None and rounds:
             progress(int(done_counts.sum()), total)
         if np.all(done_counts >= engine.max_new_tokens):
@@ -571,7 +585,7 @@ def generate(
         rounds += 1
     decode_s = time.perf_counter() - t1
 
-    out = np.asarray(state.out_tokens)[:, : engine.max_new_tokens]
+    out = _host(state.out_tokens)[:, : engine.max_new_tokens]
     tokens = [[int(t) for t in row] for row in out]
     stats = _summarise(state, engine.block_size, ttft, decode_s, compile_s, b * engine.max_new_tokens, rounds)
     return GenerateResult(tokens=tokens, stats=stats)

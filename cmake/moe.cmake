@@ -1,0 +1,46 @@
+# Mixture-of-experts kernels (csrc/moe/, ffi/moe_handlers.cc), added to the kernel library's
+# objects. Included by CMakeLists.txt after cmake/kernels.cmake; does nothing when that file
+# built no library (no CUDA compiler or no FFI headers).
+#
+# The grouped GEMM is CUTLASS 3.x: its headers come from the `nvidia-cutlass` wheel at build
+# time (never vendored). JAX_DSPARK_CUTLASS_DIR may point at a CUTLASS tree holding
+# include/cutlass/cutlass.h; by default the build's Python finds `cutlass_library` and uses
+# <cutlass_library>/source. Without CUTLASS the MoE kernels are left out (the ops then run
+# their references) unless JAX_DSPARK_CUDA=ON, which makes a missing CUTLASS an error.
+
+if(NOT TARGET jax_dspark_objs)
+  return()
+endif()
+
+set(JAX_DSPARK_CUTLASS_DIR "" CACHE PATH "CUTLASS source tree (default: the nvidia-cutlass wheel of the build's Python)")
+if(NOT JAX_DSPARK_CUTLASS_DIR)
+  # find_spec does not import the package (no side effects, no GPU needed).
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c
+            "import importlib.util, os; s = importlib.util.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source') if s else '')"
+    OUTPUT_VARIABLE JAX_DSPARK_CUTLASS_DIR
+    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+endif()
+if(NOT EXISTS "${JAX_DSPARK_CUTLASS_DIR}/include/cutlass/cutlass.h")
+  if(JAX_DSPARK_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "jax_dspark: CUTLASS headers not found (pip install nvidia-cutlass, or set JAX_DSPARK_CUTLASS_DIR)")
+  endif()
+  message(WARNING "jax_dspark: no CUTLASS headers (nvidia-cutlass wheel); MoE kernels not built")
+  return()
+endif()
+message(STATUS "jax_dspark: CUTLASS ${JAX_DSPARK_CUTLASS_DIR}")
+
+target_sources(jax_dspark_objs PRIVATE
+  csrc/moe/route.cu
+  csrc/moe/experts.cu
+  csrc/moe/grouped_gemm.cu
+  ffi/moe_handlers.cc)
+# Only the grouped GEMM sees CUTLASS (keeps the other files' compile fast and warning-free).
+set_source_files_properties(csrc/moe/grouped_gemm.cu PROPERTIES
+  INCLUDE_DIRECTORIES "${JAX_DSPARK_CUTLASS_DIR}/include;${JAX_DSPARK_CUTLASS_DIR}/tools/util/include"
+  COMPILE_DEFINITIONS "NDEBUG")
+# registry.cc and module.cc list the MoE targets only when they are built.
+target_compile_definitions(jax_dspark_objs PRIVATE JAX_DSPARK_WITH_MOE=1)
+if(TARGET _C)
+  target_compile_definitions(_C PRIVATE JAX_DSPARK_WITH_MOE=1)
+endif()

@@ -1,0 +1,54 @@
+// Plain parameter block of the sparse sink attention kernel: pointers, sizes, no framework
+// types, so an XLA FFI handler (or any other host code) can fill it and call the launcher.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace jds {
+
+constexpr int kAttnHeadDim = 512;     // D: one shared key=value row per token
+constexpr int kAttnHeadsPerCta = 64;  // query heads one CTA computes against a row tile
+constexpr int kAttnKeysPerTile = 64;  // rows gathered per pipeline stage
+constexpr int kAttnMaxSplits = 32;    // split-K partials a combine can merge
+
+struct SparseSinkAttentionParams {
+  const void* q;             // bf16 [B, S, H, D]
+  const void* main_rows;     // bf16 [n_main, D]
+  const int32_t* main_idx;   // [B, S, k_main], -1 = no row
+  const void* extra_rows;    // bf16 [n_extra, D] (may be null when k_extra == 0)
+  const int32_t* extra_idx;  // [B, S, k_extra]
+  const float* sink;         // [H] or null (no sink)
+  const float* inv_rope;     // [B, S, rope_dim / 2, 2] (cos, sin) or null
+  void* out;                 // bf16 [B, S, H, D]
+  float* lse;                // [B, S, H]
+  float* partial_out;        // [num_splits, B*S*H, D] when num_splits > 1
+  float* partial_lse;        // [num_splits, B*S*H]   when num_splits > 1
+  int batch;                 // B
+  int seq;                   // S, query rows per request
+  int heads;                 // H
+  int64_t n_main;            // rows in the main pool
+  int64_t n_extra;           // rows in the extra pool
+  int k_main;                // index-list length into the main pool
+  int k_extra;               // index-list length into the extra pool
+  int num_splits;            // CTAs sharing one (request, row, head block) list
+  int rope_dim;              // R: last R dims rotated back in the epilogue (0 = none)
+  float scale;               // softmax scale applied to q . row
+};
+
+// Row tiles of the concatenated list [main | extra] handled by one split.
+inline int attn_tiles_per_split(int k_total, int num_splits) {
+  const int tiles = (k_total + kAttnKeysPerTile - 1) / kAttnKeysPerTile;
+  return (tiles + num_splits - 1) / num_splits;
+}
+
+// Workspace floats the launcher needs for `num_splits` (0 when no split).
+inline int64_t attn_workspace_floats(int batch, int seq, int heads, int num_splits) {
+  if (num_splits <= 1) return 0;
+  const int64_t rows = int64_t(batch) * seq * heads;
+  return int64_t(num_splits) * rows * (kAttnHeadDim + 1);
+}
+
+cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaStream_t stream);
+
+}  // namespace jds

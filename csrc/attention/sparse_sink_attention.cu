@@ -1,0 +1,447 @@
+// Sparse sink attention for one shared 512-wide key=value row per token (DeepSeek-V4 / DSpark).
+//
+// Decode is memory-bound: every head of a request reads the SAME gathered rows. So one CTA
+// takes 64 query heads of one (request, query row), gathers a tile of 64 rows into shared
+// memory once with the Hopper bulk-copy engine (one `cp.async.bulk` per 1 KB row, completing
+// on an mbarrier), and all 64 heads consume it on tensor cores (mma.sync m16n8k16, bf16 in,
+// f32 accumulate). Warp 0 keeps the next tile in flight (double buffer) while all eight
+// warps run an online softmax over the current one. Long lists are split over
+// CTAs (split-K); partials carry their log-sum-exp and a combine kernel merges them exactly,
+// then applies the sink and the inverse-RoPE epilogue.
+//
+// Index values are checked here: anything outside [0, n) (including -1) is a masked row,
+// never a read, so a bad index cannot read out of bounds.
+#include <cfloat>
+#include <cmath>
+
+#include "attention/params.h"
+#include "common/ptx.cuh"
+
+namespace jds {
+namespace {
+
+constexpr int D = kAttnHeadDim;
+constexpr int BM = kAttnHeadsPerCta;
+constexpr int BK = kAttnKeysPerTile;
+constexpr int kRowBytes = D * 2;
+// Rows sit 1040 B apart in shared memory: eight rows read by one ldmatrix land 4 banks apart,
+// so the 8x16 B phases of ldmatrix (plain and transposed) are free of bank conflicts, and
+// 1040 keeps the 16-byte alignment the bulk copy needs.
+constexpr int kRowStride = kRowBytes + 16;
+constexpr int kPStride = BK * 2 + 16;  // bf16 probabilities, padded the same way
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumerThreads = kConsumerWarps * 32;
+constexpr int kThreads = kConsumerThreads;
+
+constexpr int kStageBytes = BK * kRowStride;
+constexpr int kOffQ = 0;
+constexpr int kOffKV = kOffQ + BM * kRowStride;
+constexpr int kOffP = kOffKV + 2 * kStageBytes;
+constexpr int kOffMax = kOffP + BM * kPStride;
+constexpr int kOffSum = kOffMax + 2 * BM * 4;
+constexpr int kOffValid = kOffSum + 2 * BM * 4;
+constexpr int kOffBar = kOffValid + 16;
+constexpr int kSmemBytes = kOffBar + 5 * 8;
+static_assert(kOffBar % 8 == 0, "mbarriers need 8-byte alignment");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float sink_factor(const float* sink, int h, float lse) {
+  // out = (sum_j p_j v_j) / (sum_j p_j + exp(sink)) = normalized * 1 / (1 + exp(sink - lse)).
+  if (lse == -INFINITY) return 0.f;
+  if (sink == nullptr) return 1.f;
+  return 1.f / (1.f + __expf(sink[h] - lse));
+}
+
+// Inverse rotation of one interleaved pair (x0, x1) by the query position's (cos, sin).
+__device__ __forceinline__ void inverse_rope_pair(float& x0, float& x1, float2 cs) {
+  const float y0 = x0 * cs.x + x1 * cs.y;
+  const float y1 = x1 * cs.x - x0 * cs.y;
+  x0 = y0;
+  x1 = y1;
+}
+
+// Index values of rows j0 + lane and j0 + 32 + lane of the concatenated [main | extra] list
+// (any value; validity is decided when the tile is issued). Loaded one tile ahead so the
+// global-load latency hides behind a tile of tensor-core work.
+__device__ __forceinline__ void load_tile_indices(const SparseSinkAttentionParams& p, int t, int key_begin,
+                                                  int key_end, int64_t bs, int lane, int (&idx)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = key_begin + t * BK + lane + 32 * half;
+    idx[half] = -1;
+    if (j < key_end)
+      idx[half] = j < p.k_main ? p.main_idx[bs * p.k_main + j] : p.extra_idx[bs * p.k_extra + (j - p.k_main)];
+  }
+}
+
+// Warp 0 doubles as the producer: it gathers tile t of this split's rows into stage t % 2.
+// (A dedicated ninth warp would cap every thread at 168 registers: the 4 schedulers split
+// the register file, and one of them would host 3 warps.)
+__device__ __forceinline__ void produce_tile(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
+                                             int key_begin, int key_end, int lane, const int (&idx)[2]) {
+  uint64_t* bar_full = reinterpret_cast<uint64_t*>(smem + kOffBar) + 1;
+  uint64_t* bar_empty = bar_full + 2;
+  uint32_t* s_valid = reinterpret_cast<uint32_t*>(smem + kOffValid);
+  const __nv_bfloat16* main_rows = static_cast<const __nv_bfloat16*>(p.main_rows);
+  const __nv_bfloat16* extra_rows = static_cast<const __nv_bfloat16*>(p.extra_rows);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int stage = t & 1;
+  const int j0 = key_begin + t * BK;
+  const __nv_bfloat16* src[2];
+  bool ok[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = j0 + lane + 32 * half;
+    const bool in_main = j < p.k_main;
+    const int64_t n = in_main ? p.n_main : p.n_extra;
+    ok[half] = j < key_end && idx[half] >= 0 && idx[half] < n;
+    src[half] = (in_main ? main_rows : extra_rows) + int64_t(idx[half]) * D;
+  }
+  const uint32_t m0 = __ballot_sync(0xffffffffu, ok[0]);
+  const uint32_t m1 = __ballot_sync(0xffffffffu, ok[1]);
+  if (t >= 2) mbar_wait(&bar_empty[stage], ((t >> 1) - 1) & 1);
+  uint8_t* stage_base = smem + kOffKV + stage * kStageBytes;
+  // Masked rows are zeroed: their probability is 0, and 0 * (stale NaN) would not be.
+  uint32_t z = ~m0;
+  while (z) {
+    const int r = __ffs(z) - 1;
+    z &= z - 1;
+    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
+    row[lane] = zero;
+    row[lane + 32] = zero;
+  }
+  z = ~m1;
+  while (z) {
+    const int r = 32 + __ffs(z) - 1;
+    z &= z - 1;
+    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
+    row[lane] = zero;
+    row[lane + 32] = zero;
+  }
+  if (lane == 0) {
+    s_valid[stage * 2] = m0;
+    s_valid[stage * 2 + 1] = m1;
+  }
+  __syncwarp();
+  if (lane == 0) mbar_arrive_expect_tx(&bar_full[stage], uint32_t(__popc(m0) + __popc(m1)) * kRowBytes);
+  __syncwarp();
+  if (ok[0]) bulk_copy_g2s(stage_base + lane * kRowStride, src[0], kRowBytes, &bar_full[stage]);
+  if (ok[1]) bulk_copy_g2s(stage_base + (lane + 32) * kRowStride, src[1], kRowBytes, &bar_full[stage]);
+}
+
+__device__ __forceinline__ void produce_q(const SparseSinkAttentionParams& p, uint8_t* smem, int64_t bs,
+                                          int h0, int lane) {
+  uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + kOffBar);
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + (bs * p.heads + h0) * D;
+  const int hcount = min(BM, p.heads - h0);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int r = hcount; r < BM; ++r) {  // absent heads: zeros, never garbage
+    uint4* row = reinterpret_cast<uint4*>(smem + kOffQ + r * kRowStride);
+    row[lane] = zero;
+    row[lane + 32] = zero;
+  }
+  __syncwarp();
+  if (lane == 0) mbar_arrive_expect_tx(bar_q, uint32_t(hcount) * kRowBytes);
+  __syncwarp();
+  for (int r = lane; r < hcount; r += 32)
+    bulk_copy_g2s(smem + kOffQ + r * kRowStride, q + int64_t(r) * D, kRowBytes, bar_q);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_sink_attention_kernel(const SparseSinkAttentionParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int nhb = (p.heads + BM - 1) / BM;
+  const int hb = blockIdx.x % nhb;
+  const int s = blockIdx.x / nhb;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int h0 = hb * BM;
+  const int64_t bs = int64_t(b) * p.seq + s;
+  const int k_total = p.k_main + p.k_extra;
+  const int tiles_all = (k_total + BK - 1) / BK;
+  const int tps = (tiles_all + p.num_splits - 1) / p.num_splits;
+  const int key_begin = split * tps * BK;
+  const int key_end = min(k_total, key_begin + tps * BK);
+  const int ntiles = key_end > key_begin ? (key_end - key_begin + BK - 1) / BK : 0;
+
+  uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + kOffBar);
+  uint64_t* bar_full = bar_q + 1;
+  uint64_t* bar_empty = bar_q + 3;
+  const uint32_t* s_valid = reinterpret_cast<const uint32_t*>(smem + kOffValid);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    mbar_init(&bar_full[0], 1);
+    mbar_init(&bar_full[1], 1);
+    mbar_init(&bar_empty[0], kConsumerThreads);
+    mbar_init(&bar_empty[1], kConsumerThreads);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Warp (r, c): query rows 16r..16r+15; scores for keys 32c..32c+31 of each tile; output
+  // dims 256c..256c+255. The pair (r, 0), (r, 1) shares row maxima and probabilities.
+  const int r = warp & 3;
+  const int c = warp >> 2;
+  const int g = lane >> 2;
+  const int q4 = lane & 3;
+  const uint32_t bar_id = 1 + r;
+  float* s_max = reinterpret_cast<float*>(smem + kOffMax);
+  float* s_sum = reinterpret_cast<float*>(smem + kOffSum);
+
+  float o[32][4];
+#pragma unroll
+  for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max, log2 units
+  float l_run[2] = {0.f, 0.f};
+  const float sl2 = p.scale * kLog2e;
+
+  const uint32_t q_addr = smem_addr(smem + kOffQ) + (16 * r + (lane & 15)) * kRowStride + (lane >> 4) * 16;
+  const uint32_t k_off = (32 * c + (lane & 7) + ((lane >> 4) << 3)) * kRowStride + ((lane >> 3) & 1) * 16;
+  const uint32_t v_off = ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowStride + (256 * c + (lane >> 4) * 8) * 2;
+  const uint32_t p_addr = smem_addr(smem + kOffP) + (16 * r + (lane & 15)) * kPStride + (lane >> 4) * 16;
+  uint8_t* p_store = smem + kOffP + (16 * r + g) * kPStride + (32 * c + 2 * q4) * 2;
+
+  int next_idx[2] = {-1, -1};  // warp 0: indices of the next tile to issue
+  if (warp == 0) {
+    load_tile_indices(p, 0, key_begin, key_end, bs, lane, next_idx);
+    produce_q(p, smem, bs, h0, lane);
+    if (ntiles > 0) produce_tile(p, smem, 0, key_begin, key_end, lane, next_idx);
+    if (ntiles > 1) load_tile_indices(p, 1, key_begin, key_end, bs, lane, next_idx);
+  }
+  mbar_wait(bar_q, 0);
+  for (int t = 0; t < ntiles; ++t) {
+    const int stage = t & 1;
+    if (warp == 0 && t + 1 < ntiles) {
+      produce_tile(p, smem, t + 1, key_begin, key_end, lane, next_idx);
+      if (t + 2 < ntiles) load_tile_indices(p, t + 2, key_begin, key_end, bs, lane, next_idx);
+    }
+    mbar_wait(&bar_full[stage], (t >> 1) & 1);
+    const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kStageBytes);
+    const uint32_t vmask = s_valid[stage * 2 + c];
+
+    float sc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll 8
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[4], b0[4], b1[4];
+      ldmatrix_x4(a, q_addr + ks * 32);
+      ldmatrix_x4(b0, kv_base + k_off + ks * 32);
+      ldmatrix_x4(b1, kv_base + k_off + 16 * kRowStride + ks * 32);
+      mma_bf16_16816(sc[0], a, b0[0], b0[1]);
+      mma_bf16_16816(sc[1], a, b0[2], b0[3]);
+      mma_bf16_16816(sc[2], a, b1[0], b1[1]);
+      mma_bf16_16816(sc[3], a, b1[2], b1[3]);
+    }
+
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 8 * j + 2 * q4 + (e & 1);
+        const float x = ((vmask >> key) & 1u) ? sc[j][e] * sl2 : -INFINITY;
+        sc[j][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    }
+    if (q4 == 0) {
+      s_max[c * BM + 16 * r + g] = mx[0];
+      s_max[c * BM + 16 * r + g + 8] = mx[1];
+    }
+    named_barrier_sync(bar_id, 64);
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float other = s_max[(1 - c) * BM + 16 * r + g + 8 * i];
+      const float m_new = fmaxf(m_run[i], fmaxf(mx[i], other));
+      mu[i] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[i] = exp2f(m_run[i] - mu[i]);
+      m_run[i] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = exp2f(sc[j][e] - mu[e >> 1]);
+        sc[j][e] = pv;
+        rs[e >> 1] += pv;
+      }
+      *reinterpret_cast<uint32_t*>(p_store + j * 16) = pack_bf16x2(sc[j][0], sc[j][1]);
+      *reinterpret_cast<uint32_t*>(p_store + 8 * kPStride + j * 16) = pack_bf16x2(sc[j][2], sc[j][3]);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    named_barrier_sync(bar_id, 64);
+
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, p_addr + ks * 32);
+#pragma unroll
+      for (int n2 = 0; n2 < 16; ++n2) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, kv_base + v_off + ks * 16 * kRowStride + n2 * 32);
+        mma_bf16_16816(o[2 * n2], a, bv[0], bv[1]);
+        mma_bf16_16816(o[2 * n2 + 1], a, bv[2], bv[3]);
+      }
+    }
+    mbar_arrive(&bar_empty[stage]);
+  }
+
+  // ------------------------------------ epilogue -----------------------------------------
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+  }
+  if (q4 == 0) {
+    s_sum[c * BM + 16 * r + g] = l_run[0];
+    s_sum[c * BM + 16 * r + g + 8] = l_run[1];
+  }
+  named_barrier_sync(bar_id, 64);
+  float lse[2], inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float l_tot = l_run[i] + s_sum[(1 - c) * BM + 16 * r + g + 8 * i];
+    lse[i] = (m_run[i] == -INFINITY || !(l_tot > 0.f)) ? -INFINITY : (m_run[i] + log2f(l_tot)) * kLn2;
+    inv[i] = l_tot > 0.f ? 1.f / l_tot : 0.f;
+  }
+
+  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
+  const int rope_lo = D - p.rope_dim;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int h = h0 + 16 * r + g + 8 * i;
+    if (h >= p.heads) continue;
+    const int64_t row = bs * p.heads + h;
+    if (p.num_splits == 1) {
+      const float f = inv[i] * sink_factor(p.sink, h, lse[i]);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * D;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = 256 * c + 8 * n + 2 * q4;
+        float x0 = o[n][2 * i] * f, x1 = o[n][2 * i + 1] * f;
+        if (p.inv_rope != nullptr && dim >= rope_lo) {
+          const float2 cs =
+              reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
+          inverse_rope_pair(x0, x1, cs);
+        }
+        *reinterpret_cast<uint32_t*>(out + dim) = pack_bf16x2(x0, x1);
+      }
+      if (c == 0 && q4 == 0) p.lse[row] = lse[i];
+    } else {
+      float* po = p.partial_out + (int64_t(split) * rows + row) * D;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = 256 * c + 8 * n + 2 * q4;
+        *reinterpret_cast<float2*>(po + dim) = make_float2(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
+      }
+      if (c == 0 && q4 == 0) p.partial_lse[int64_t(split) * rows + row] = lse[i];
+    }
+  }
+}
+
+// One warp per (request, query row, head): merge the split partials by their log-sum-exp,
+// then sink and inverse RoPE, exactly as the single-split epilogue does.
+__global__ void __launch_bounds__(256) attention_combine_kernel(const SparseSinkAttentionParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
+  const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int h = int(row % p.heads);
+  const int64_t bs = row / p.heads;
+
+  const float mine = lane < p.num_splits ? p.partial_lse[int64_t(lane) * rows + row] : -INFINITY;
+  float mx = mine;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float w = mx == -INFINITY ? 0.f : __expf(mine - mx);
+  float sum = w;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse = mx == -INFINITY ? -INFINITY : mx + __logf(sum);
+
+  float acc[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+  if (mx != -INFINITY) {
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      const float ws = __shfl_sync(0xffffffffu, w, sp) / sum;
+      if (ws == 0.f) continue;
+      const float4* src = reinterpret_cast<const float4*>(p.partial_out + (int64_t(sp) * rows + row) * D + lane * 16);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float4 v = src[k];
+        acc[4 * k] += ws * v.x;
+        acc[4 * k + 1] += ws * v.y;
+        acc[4 * k + 2] += ws * v.z;
+        acc[4 * k + 3] += ws * v.w;
+      }
+    }
+  }
+  const float f = sink_factor(p.sink, h, lse);
+  const int rope_lo = D - p.rope_dim;
+  uint32_t packed[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int dim = lane * 16 + 2 * k;
+    float x0 = acc[2 * k] * f, x1 = acc[2 * k + 1] * f;
+    if (p.inv_rope != nullptr && dim >= rope_lo) {
+      const float2 cs = reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
+      inverse_rope_pair(x0, x1, cs);
+    }
+    packed[k] = pack_bf16x2(x0, x1);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + row * D + lane * 16);
+  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  if (lane == 0) p.lse[row] = lse;
+}
+
+}  // namespace
+
+cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  // Raising the dynamic shared-memory limit is a per-function host setting, not stream work,
+  // so it is safe while XLA captures the stream into a command buffer; do it once per device.
+  static bool configured[64] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    err = cudaFuncSetAttribute(sparse_sink_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) configured[dev] = true;
+  }
+  const int nhb = (p.heads + BM - 1) / BM;
+  const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
+  sparse_sink_attention_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
+  attention_combine_kernel<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jds

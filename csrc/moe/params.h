@@ -1,0 +1,92 @@
+// Plain parameter blocks and launchers of the mixture-of-experts kernels: pointers, sizes,
+// no framework types, so an XLA FFI handler (or any other host code) can fill them and call
+// the launchers. Layouts follow docs/interfaces.md: w_gate_up [E, d, 2I] (gate = first I
+// columns), w_down [E, I, d], everything row-major.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace jds {
+
+constexpr int kMoeMaxExperts = 4096;  // permute keeps two int32 counters per expert in shared memory
+constexpr int kMoeRouteMaxExperts = 1024;  // route keeps E / 32 scores per lane in registers
+constexpr int kMoeRouteMaxK = 32;
+
+enum MoeScoreKind : int {
+  kMoeScoreSqrtSoftplus = 0,  // sqrt(softplus(l)), DeepSeek-V4
+  kMoeScoreSigmoid = 1,       // sigmoid(l), DeepSeek-V3
+  kMoeScoreSoftmax = 2,       // softmax over the experts
+  kMoeScoreIdentity = 3,      // the input already holds scores
+};
+
+// Router: scores from logits, top-k of (scores + bias) or a token -> experts table, and
+// combine weights = unbiased scores of the chosen experts (renormalised) x route_scale.
+struct MoeRouteParams {
+  const void* logits;        // [T, E], f32 or bf16 (logits_bf16)
+  const float* bias;         // [E] selection-only bias, or null
+  const int32_t* token_ids;  // [T] (hash routing) or null (top-k routing)
+  const int32_t* table;      // [vocab, k] token -> experts (hash routing)
+  float* weights;            // [T, k]
+  int32_t* ids;              // [T, k]
+  int64_t tokens;            // T
+  int64_t vocab;             // rows of `table`
+  int experts;               // E <= kMoeRouteMaxExperts
+  int k;                     // 1 <= k <= min(E, kMoeRouteMaxK)
+  int score_kind;            // MoeScoreKind
+  bool logits_bf16;
+  bool renormalize;
+  float route_scale;
+};
+
+cudaError_t run_moe_route(const MoeRouteParams& p, cudaStream_t stream);
+
+// Routed experts, BF16: permute -> gather -> grouped FC1 -> clamped SwiGLU -> grouped FC2 ->
+// weighted un-permute. All intermediates live in one caller-provided workspace.
+struct MoeExpertsParams {
+  const void* x;          // bf16 [T, d]
+  const int32_t* ids;     // [T, k]; ids outside [0, E) are dropped (no memory is touched)
+  const float* weights;   // [T, k]
+  const void* w_gate_up;  // bf16 [E, d, 2I]
+  const void* w_down;     // bf16 [E, I, d]
+  void* out;              // bf16 [T, d]
+  int64_t tokens;         // T
+  int k;                  // slots per token
+  int experts;            // E <= kMoeMaxExperts
+  int hidden;             // d, multiple of 8 (16-byte rows for the copy engine)
+  int inter;              // I, multiple of 8
+  float limit;            // SwiGLU clamp; <= 0 means none
+  int sm_count;           // multiprocessors of the device (persistent GEMM grid)
+};
+
+// Bytes of workspace `run_moe_experts` needs (the workspace must be 16-byte aligned).
+size_t moe_experts_workspace_bytes(int64_t tokens, int k, int experts, int hidden, int inter,
+                                   int sm_count);
+
+cudaError_t run_moe_experts(const MoeExpertsParams& p, void* workspace, size_t workspace_bytes,
+                            cudaStream_t stream);
+
+// ---- pieces, exposed for the grouped GEMM file and for tests --------------------------
+
+// Counting sort of the T*k (token, slot) pairs by expert. Writes offsets[E + 1] (exclusive
+// prefix sum of the per-expert counts; offsets[E] = valid pairs), row_of_pair[T*k] (its row in
+// expert-contiguous order, -1 for an out-of-range id) and token_of_row[T*k] (first offsets[E]
+// entries valid). Rows of one expert are contiguous and not padded: the grouped GEMM builds one
+// copy-engine descriptor per expert, so a tile never reads another expert's rows.
+cudaError_t run_moe_permute(const int32_t* ids, int64_t pairs, int k, int experts,
+                            int32_t* offsets, int32_t* row_of_pair, int32_t* token_of_row,
+                            cudaStream_t stream);
+
+// Grouped GEMM D_e = A_e @ B_e for every expert e: A rows [offsets[e], offsets[e+1]) of a
+// row-major [*, K] bf16 matrix, B_e = b + e*K*N row-major [K, N] bf16, D rows likewise of a
+// row-major [*, N] bf16 matrix. Group arrays and the GEMM's own workspace live in `workspace`.
+size_t moe_grouped_gemm_workspace_bytes(int experts, int sm_count);
+
+// `rows_hint` (total rows over all experts, known on the host) picks the tile height: 64-row
+// ping-pong tiles for decode-sized groups, 128-row cooperative tiles for prefill-sized ones.
+cudaError_t run_moe_grouped_gemm(const void* a, const void* b, void* d, const int32_t* offsets,
+                                 int experts, int n, int k, int64_t rows_hint, int sm_count,
+                                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace jds

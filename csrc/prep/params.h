@@ -1,0 +1,32 @@
+// Parameter block of the fused RMSNorm + interleaved RoPE (+ FP8 e4m3) prep kernel.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace jds {
+
+constexpr int kPrepMaxDim = 2048;  // a warp keeps one row in registers (8 chunks of 256)
+
+enum class PrepDType : int { kBF16 = 0, kF32 = 1 };
+
+struct RmsNormRopeParams {
+  const void* x;       // [rows, dim], bf16 or f32
+  const float* weight; // [weight_groups, dim]; row r uses group r / (rows / weight_groups)
+  const float* freqs;  // [freq_rows, rope_dim / 2, 2] (cos, sin); row r uses r / (rows / freq_rows)
+  void* y;             // [rows, dim] in x's dtype (fp8_block == 0) or f8e4m3 values
+  uint8_t* exps;       // [rows, dim / fp8_block] UE8M0 exponents (fp8_block > 0)
+  int64_t rows;
+  int dim;             // D, multiple of 8, <= kPrepMaxDim
+  int rope_dim;        // R, multiple of 8, <= D (0 = no RoPE)
+  int64_t weight_groups;
+  int64_t freq_rows;
+  int inverse;         // 1: rotate by -theta
+  int fp8_block;       // 0 (no quantisation), 64 or 128
+  float eps;
+  PrepDType dtype;
+};
+
+cudaError_t run_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream);
+
+}  // namespace jds

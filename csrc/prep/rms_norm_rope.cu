@@ -1,0 +1,173 @@
+// Fused q/kv preparation: RMSNorm (optional weight) -> interleaved RoPE on the last R dims
+// (forward or inverse) -> optional FP8 e4m3 with power-of-two (UE8M0) block scales.
+//
+// Memory-bound and tiny per row, so it is a plain warp-per-row kernel: 16-byte loads of
+// 8 elements per lane, the row kept in registers (D <= 2048), one pass over memory. No tensor
+// cores, no shared memory: nothing to amortise. It reproduces the reference composition
+// quantize_fp8(apply_rope(rms_norm(x, w), freqs), block) including its intermediate roundings
+// to x's dtype, so the FP8 blocks see the same values the reference quantises.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "prep/params.h"
+
+namespace jds {
+namespace {
+
+constexpr int kChunk = 256;  // elements one warp covers per 16-byte load per lane
+constexpr int kMaxChunks = kPrepMaxDim / kChunk;
+
+template <typename T>
+struct Vec8;
+template <>
+struct Vec8<__nv_bfloat16> {
+  static __device__ __forceinline__ void load(const void* base, int64_t off, float (&v)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(base) + off);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+  static __device__ __forceinline__ float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+  static __device__ __forceinline__ void store(void* base, int64_t off, const float (&v)[8]) {
+    uint4 raw;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(base) + off) = raw;
+  }
+};
+template <>
+struct Vec8<float> {
+  static __device__ __forceinline__ void load(const void* base, int64_t off, float (&v)[8]) {
+    const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(base) + off);
+    const float4 a = src[0], b = src[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  }
+  static __device__ __forceinline__ float round(float x) { return x; }
+  static __device__ __forceinline__ void store(void* base, int64_t off, const float (&v)[8]) {
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(base) + off);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+};
+
+// UE8M0 exponent of a block: 127 + ceil(log2(max(amax, 1e-4) / 448)), computed exactly.
+__device__ __forceinline__ int ue8m0_exponent(float amax) {
+  const float y = fmaxf(amax, 1e-4f) / 448.f;
+  int e;
+  const float m = frexpf(y, &e);  // y = m * 2^e, m in [0.5, 1)
+  return 127 + (m == 0.5f ? e - 1 : e);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopeParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const int64_t base = row * p.dim;
+
+  float v[kMaxChunks][8];
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) {
+    const int e0 = c * kChunk + lane * 8;
+    if (e0 < p.dim) {
+      Vec8<T>::load(p.x, base + e0, v[c]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss += v[c][i] * v[c][i];
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float rinv = rsqrtf(ss / float(p.dim) + p.eps);
+
+  const float* w = p.weight + (row / (p.rows / p.weight_groups)) * p.dim;
+  const float* fr = p.rope_dim > 0 ? p.freqs + (row / (p.rows / p.freq_rows)) * int64_t(p.rope_dim) : nullptr;
+  const int rope_lo = p.dim - p.rope_dim;
+  const float sgn = p.inverse ? -1.f : 1.f;
+
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) {
+    const int e0 = c * kChunk + lane * 8;
+    if (e0 < p.dim) {
+      const float4 w0 = *reinterpret_cast<const float4*>(w + e0);
+      const float4 w1 = *reinterpret_cast<const float4*>(w + e0 + 4);
+      const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[c][i] = Vec8<T>::round(v[c][i] * rinv * wv[i]);
+      if (e0 >= rope_lo) {  // the 8 elements are 4 whole (cos, sin) pairs: R % 8 == 0
+        const float4* cs = reinterpret_cast<const float4*>(fr + (e0 - rope_lo));
+        const float4 c0 = cs[0], c1 = cs[1];
+        const float cosv[4] = {c0.x, c0.z, c1.x, c1.z};
+        const float sinv[4] = {c0.y, c0.w, c1.y, c1.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float x0 = v[c][2 * k], x1 = v[c][2 * k + 1];
+          const float s = sgn * sinv[k];
+          v[c][2 * k] = Vec8<T>::round(x0 * cosv[k] - x1 * s);
+          v[c][2 * k + 1] = Vec8<T>::round(x0 * s + x1 * cosv[k]);
+        }
+      }
+    }
+  }
+
+  if (p.fp8_block == 0) {
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) {
+      const int e0 = c * kChunk + lane * 8;
+      if (e0 < p.dim) Vec8<T>::store(p.y, base + e0, v[c]);
+    }
+    return;
+  }
+
+  // FP8: a block of B elements spans B / 8 consecutive lanes of one chunk (D % B == 0).
+  const int lanes_per_block = p.fp8_block / 8;
+  const int blocks_per_row = p.dim / p.fp8_block;
+  uint8_t* y8 = static_cast<uint8_t*>(p.y);
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) {
+    const int e0 = c * kChunk + lane * 8;
+    if (c * kChunk >= p.dim) break;  // warp-uniform: whole warp leaves together
+    const bool active = e0 < p.dim;
+    float amax = 0.f;
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[c][i]));
+    }
+    for (int o = 1; o < lanes_per_block; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!active) continue;
+    const int ex = ue8m0_exponent(amax);
+    const float inv_scale = __int_as_float((254 - ex) << 23);  // 2^(127 - ex), exact
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __nv_fp8x2_storage_t pr = __nv_cvt_float2_to_fp8x2(
+          make_float2(v[c][2 * k] * inv_scale, v[c][2 * k + 1] * inv_scale), __NV_SATFINITE, __NV_E4M3);
+      if (k < 2)
+        lo |= uint32_t(pr) << (16 * k);
+      else
+        hi |= uint32_t(pr) << (16 * (k - 2));
+    }
+    *reinterpret_cast<uint2*>(y8 + base + e0) = make_uint2(lo, hi);
+    if (lane % lanes_per_block == 0) p.exps[row * blocks_per_row + e0 / p.fp8_block] = uint8_t(ex);
+  }
+}
+
+}  // namespace
+
+cudaError_t run_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  const unsigned blocks = unsigned((p.rows + 7) / 8);
+  if (p.dtype == PrepDType::kBF16)
+    rms_norm_rope_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p);
+  else
+    rms_norm_rope_kernel<float><<<blocks, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jds

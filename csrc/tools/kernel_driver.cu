@@ -1,0 +1,325 @@
+// Standalone driver for the kernels, without XLA:
+//   kernel_driver memcheck   edge cases on exact-size cudaMalloc buffers (run it under
+//                            compute-sanitizer: every out-of-bounds access is reported), outputs
+//                            poisoned with NaN, small cases checked against a float64 CPU reference
+//   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
+//                            rotating pools larger than L2; also the target for ncu
+// Built by hand (docs/kernels.md), not part of the installed library.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "attention/params.h"
+#include "prep/params.h"
+
+#define CK(x)                                                                                       \
+  do {                                                                                              \
+    cudaError_t e_ = (x);                                                                           \
+    if (e_ != cudaSuccess) {                                                                        \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);          \
+      std::exit(1);                                                                                 \
+    }                                                                                               \
+  } while (0)
+
+using bf16 = __nv_bfloat16;
+
+template <class T>
+T* upload(const std::vector<T>& h) {
+  T* d = nullptr;
+  if (!h.empty()) {
+    CK(cudaMalloc(&d, h.size() * sizeof(T)));
+    CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  return d;
+}
+template <class T>
+T* poisoned(size_t n) {  // 0xFF bytes: NaN in bf16 and f32
+  T* d = nullptr;
+  if (n) {
+    CK(cudaMalloc(&d, n * sizeof(T)));
+    CK(cudaMemset(d, 0xFF, n * sizeof(T)));
+  }
+  return d;
+}
+
+static std::mt19937 rng(1234);
+// Roughly normal values (sum of 4 uniforms, unit variance) from a xorshift generator: the
+// benchmark pools hold up to 2 x 10^9 values and std::normal_distribution is far too slow.
+static std::vector<bf16> randn_bf16(size_t n) {
+  std::vector<bf16> v(n);
+  uint64_t x = 0x9E3779B97F4A7C15ull ^ rng();
+  for (auto& out : v) {
+    float acc = 0.f;
+    for (int i = 0; i < 4; ++i) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      acc += float(x >> 40) * (1.0f / 16777216.0f);
+    }
+    out = __float2bfloat16((acc - 2.f) * 1.7320508f);
+  }
+  return v;
+}
+
+static int choose_splits(int b, int s, int h, int k_total, int sms) {  // = ops/_kernels.choose_splits
+  const int tiles = (k_total + 63) / 64;
+  if (tiles <= 1) return 1;
+  const long base = long((h + 63) / 64) * s * b;
+  int best = 1;
+  double best_cost = 1e30;
+  for (int sp = 1; sp <= std::min(32, tiles); ++sp) {
+    const int per = (tiles + sp - 1) / sp;
+    if ((tiles + per - 1) / per != sp) continue;
+    const double waves = double((base * sp + sms - 1) / sms);
+    const double cost = waves * (per + 1) + (sp > 1 ? 0.25 * sp : 0.0);
+    if (cost < best_cost) best = sp, best_cost = cost;
+  }
+  return best;
+}
+
+struct AttnCase {
+  const char* name;
+  int B, S, H, K, K2, n_main, n_extra;
+  float drop;
+  bool sink, rope, bad;
+};
+
+struct AttnData {
+  jds::SparseSinkAttentionParams p{};
+  std::vector<bf16> q, rows, rows2;
+  std::vector<int> idx, idx2;
+  std::vector<float> sink, rope;
+};
+
+static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists) {
+  AttnData a;
+  const int D = jds::kAttnHeadDim;
+  a.q = randn_bf16(size_t(c.B) * c.S * c.H * D);
+  a.rows = randn_bf16(size_t(c.n_main) * D);
+  a.rows2 = randn_bf16(size_t(c.n_extra) * D);
+  std::uniform_real_distribution<float> u;
+  auto fill = [&](std::vector<int>& idx, int k, int n) {
+    idx.resize(size_t(c.B) * c.S * k);
+    for (int b = 0; b < c.B; ++b)
+      for (int s = 0; s < c.S; ++s)
+        for (int j = 0; j < k; ++j) {
+          const size_t at = (size_t(b) * c.S + s) * k + j;
+          if (shared_lists && s > 0) {
+            idx[at] = idx[(size_t(b) * c.S) * k + j];
+            continue;
+          }
+          int v = n > 0 ? int(rng() % n) : -1;
+          if (shared_lists && n >= c.B * k) v = b * k + int((long(j) * 7919) % k);  // distinct rows per request, scattered
+          if (u(rng) < c.drop) v = -1;
+          if (c.bad && j % 7 == 3) v = (j % 2) ? n + int(rng() % 1000) : -2 - int(rng() % 1000);
+          idx[at] = v;
+        }
+  };
+  fill(a.idx, c.K, c.n_main);
+  fill(a.idx2, c.K2, c.n_extra);
+  std::normal_distribution<float> nd;
+  if (c.sink) a.sink.resize(c.H), [&] { for (auto& x : a.sink) x = nd(rng); }();
+  if (c.rope) {
+    a.rope.resize(size_t(c.B) * c.S * 64);
+    for (size_t i = 0; i < a.rope.size(); i += 2) {
+      const float ang = u(rng) * 6.2831853f;
+      a.rope[i] = std::cos(ang);
+      a.rope[i + 1] = std::sin(ang);
+    }
+  }
+  auto& p = a.p;
+  p.batch = c.B, p.seq = c.S, p.heads = c.H, p.n_main = c.n_main, p.n_extra = c.n_extra;
+  p.k_main = c.K, p.k_extra = c.K2, p.rope_dim = c.rope ? 64 : 0, p.scale = 1.f / std::sqrt(512.f);
+  p.num_splits = choose_splits(c.B, c.S, c.H, c.K + c.K2, sms);
+  p.q = upload(a.q), p.main_rows = upload(a.rows), p.extra_rows = upload(a.rows2);
+  p.main_idx = upload(a.idx), p.extra_idx = upload(a.idx2);
+  p.sink = c.sink ? upload(a.sink) : nullptr;
+  p.inv_rope = c.rope ? upload(a.rope) : nullptr;
+  const size_t rows_out = size_t(c.B) * c.S * c.H;
+  p.out = poisoned<bf16>(rows_out * D);
+  p.lse = poisoned<float>(rows_out);
+  const int64_t ws = jds::attn_workspace_floats(c.B, c.S, c.H, p.num_splits);
+  float* w = poisoned<float>(size_t(ws));
+  p.partial_out = ws ? w : nullptr;
+  p.partial_lse = ws ? w + int64_t(p.num_splits) * rows_out * D : nullptr;
+  return a;
+}
+
+static void free_attn(AttnData& a) {
+  auto& p = a.p;
+  for (const void* ptr : {p.q, p.main_rows, p.extra_rows, (const void*)p.main_idx, (const void*)p.extra_idx,
+                          (const void*)p.sink, (const void*)p.inv_rope, (const void*)p.out, (const void*)p.lse,
+                          (const void*)p.partial_out})
+    if (ptr) CK(cudaFree(const_cast<void*>(ptr)));
+}
+
+// float64 reference of one case; returns max over rows of ||out - ref|| / ||ref|| (global norm).
+static double check_attn(const AttnCase& c, const AttnData& a) {
+  const int D = jds::kAttnHeadDim;
+  const size_t rows_out = size_t(c.B) * c.S * c.H;
+  std::vector<bf16> out(rows_out * D);
+  std::vector<float> lse(rows_out);
+  CK(cudaMemcpy(out.data(), a.p.out, out.size() * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lse.data(), a.p.lse, lse.size() * 4, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0, lse_err = 0;
+  std::vector<double> acc(D);
+  for (int b = 0; b < c.B; ++b)
+    for (int s = 0; s < c.S; ++s)
+      for (int h = 0; h < c.H; ++h) {
+        const size_t r = (size_t(b) * c.S + s) * c.H + h;
+        std::vector<std::pair<double, const bf16*>> sc;
+        auto gather = [&](const std::vector<int>& idx, int k, int n, const std::vector<bf16>& rows) {
+          for (int j = 0; j < k; ++j) {
+            const int v = idx[(size_t(b) * c.S + s) * k + j];
+            if (v < 0 || v >= n) continue;
+            const bf16* row = rows.data() + size_t(v) * D;
+            double dot = 0;
+            for (int d = 0; d < D; ++d) dot += double(__bfloat162float(a.q[r * D + d])) * __bfloat162float(row[d]);
+            sc.push_back({dot * a.p.scale, row});
+          }
+        };
+        gather(a.idx, c.K, c.n_main, a.rows);
+        gather(a.idx2, c.K2, c.n_extra, a.rows2);
+        std::fill(acc.begin(), acc.end(), 0.0);
+        double ref_lse = -INFINITY;
+        if (!sc.empty()) {
+          double m = -INFINITY, l = 0;
+          for (auto& e : sc) m = std::max(m, e.first);
+          for (auto& e : sc) {
+            const double w = std::exp(e.first - m);
+            l += w;
+            for (int d = 0; d < D; ++d) acc[d] += w * __bfloat162float(e.second[d]);
+          }
+          ref_lse = m + std::log(l);
+          const double denom = l + (c.sink ? std::exp(a.sink[h] - m) : 0.0);
+          for (int d = 0; d < D; ++d) acc[d] /= denom;
+          if (c.rope)
+            for (int i = 0; i < 32; ++i) {
+              const double cs = a.rope[((size_t(b) * c.S + s) * 32 + i) * 2], sn = a.rope[((size_t(b) * c.S + s) * 32 + i) * 2 + 1];
+              const double x0 = acc[448 + 2 * i], x1 = acc[449 + 2 * i];
+              acc[448 + 2 * i] = x0 * cs + x1 * sn;
+              acc[449 + 2 * i] = x1 * cs - x0 * sn;
+            }
+        }
+        for (int d = 0; d < D; ++d) {
+          const double g = __bfloat162float(out[r * D + d]);
+          if (!std::isfinite(g)) return INFINITY;  // unwritten (poison) or NaN
+          num += (g - acc[d]) * (g - acc[d]);
+          den += acc[d] * acc[d];
+        }
+        if (std::isinf(ref_lse) != std::isinf(lse[r])) return INFINITY;
+        if (!std::isinf(ref_lse)) lse_err = std::max(lse_err, std::fabs(lse[r] - ref_lse));
+      }
+  if (lse_err > 1e-2) return INFINITY;
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+static int memcheck(int sms) {
+  const AttnCase cases[] = {
+      {"tile edges K=65 + extra", 2, 2, 64, 65, 7, 150, 20, 0.2f, true, true, false},
+      {"H=128 S=3", 2, 3, 128, 100, 0, 120, 0, 0.1f, true, false, false},
+      {"H=96 (partial head block)", 1, 1, 96, 70, 0, 80, 0, 0.0f, false, true, false},
+      {"split-K long list", 1, 2, 64, 3000, 40, 4000, 50, 0.1f, true, true, false},
+      {"empty lists", 2, 1, 64, 0, 0, 0, 0, 0.0f, true, false, false},
+      {"all masked", 1, 2, 64, 130, 0, 10, 0, 1.0f, true, true, false},
+      {"one row", 1, 1, 64, 1, 0, 1, 0, 0.0f, false, false, false},
+      {"bad indices (>= N, < -1)", 2, 2, 64, 200, 30, 90, 20, 0.1f, true, true, true},
+      {"only extra pool", 1, 1, 64, 0, 77, 0, 90, 0.0f, false, false, false},
+  };
+  int failures = 0;
+  for (const auto& c : cases) {
+    AttnData a = make_attn(c, sms, false);
+    CK(jds::run_sparse_sink_attention(a.p, 0));
+    CK(cudaDeviceSynchronize());
+    const double err = check_attn(c, a);
+    const bool ok = err < 1e-2;
+    failures += !ok;
+    std::printf("attention %-28s splits=%d rel_err=%.2e %s\n", c.name, a.p.num_splits, err, ok ? "ok" : "FAIL");
+    free_attn(a);
+  }
+  // prep: widths that leave partial chunks, both dtypes, FP8 64/128, groups of rows
+  struct PrepCase { int rows, dim, rope, block; bool f32; int groups, freq_rows; };
+  const PrepCase pcs[] = {{37, 136, 64, 0, false, 1, 37}, {64, 512, 64, 64, false, 2, 8}, {33, 2048, 64, 128, true, 1, 33},
+                          {16, 192, 0, 64, false, 1, 1}, {8, 8, 8, 0, true, 4, 2}};
+  for (const auto& c : pcs) {
+    jds::RmsNormRopeParams p{};
+    const size_t n = size_t(c.rows) * c.dim;
+    std::vector<bf16> xb = randn_bf16(n);
+    std::vector<float> xf(n), w(size_t(c.groups) * c.dim), f(size_t(c.freq_rows) * c.rope);
+    for (size_t i = 0; i < n; ++i) xf[i] = __bfloat162float(xb[i]);
+    for (auto& v : w) v = 0.5f + float(rng() % 100) / 100.f;
+    for (size_t i = 0; i < f.size(); ++i) f[i] = std::cos(float(i));
+    p.x = c.f32 ? (const void*)upload(xf) : (const void*)upload(xb);
+    p.weight = upload(w);
+    p.freqs = c.rope ? upload(f) : nullptr;
+    const size_t out_bytes = c.block ? n : n * (c.f32 ? 4 : 2);
+    p.y = poisoned<uint8_t>(out_bytes);
+    p.exps = c.block ? poisoned<uint8_t>(size_t(c.rows) * (c.dim / c.block)) : nullptr;
+    p.rows = c.rows, p.dim = c.dim, p.rope_dim = c.rope, p.weight_groups = c.groups, p.freq_rows = c.freq_rows;
+    p.inverse = 1, p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = c.f32 ? jds::PrepDType::kF32 : jds::PrepDType::kBF16;
+    CK(jds::run_rms_norm_rope(p, 0));
+    CK(cudaDeviceSynchronize());
+    std::vector<uint8_t> y(out_bytes);
+    CK(cudaMemcpy(y.data(), p.y, out_bytes, cudaMemcpyDeviceToHost));
+    bool ok = true;  // every output written (no poison left)
+    if (c.block) {
+      for (auto v : y) ok &= (v & 0x7F) != 0x7F;  // e4m3fn NaN is S.1111.111
+    } else if (c.f32) {
+      for (size_t i = 0; i < n; ++i) ok &= std::isfinite(reinterpret_cast<float*>(y.data())[i]);
+    } else {
+      for (size_t i = 0; i < n; ++i) ok &= std::isfinite(__bfloat162float(reinterpret_cast<bf16*>(y.data())[i]));
+    }
+    failures += !ok;
+    std::printf("prep rows=%d dim=%d rope=%d fp8=%d f32=%d %s\n", c.rows, c.dim, c.rope, c.block, c.f32, ok ? "ok" : "FAIL");
+    for (const void* ptr : {p.x, (const void*)p.weight, (const void*)p.freqs, (const void*)p.y, (const void*)p.exps})
+      if (ptr) CK(cudaFree(const_cast<void*>(ptr)));
+  }
+  std::printf("memcheck driver: %d failure(s)\n", failures);
+  return failures ? 1 : 0;
+}
+
+static int bench(int sms, const char* only) {
+  const AttnCase cases[] = {
+      {"V4-Flash CSA decode", 64, 1, 64, 640, 0, 64 * 640, 0, 0.f, true, false, false},
+      {"DSpark block", 64, 5, 64, 128, 5, 64 * 128, 64 * 5, 0.f, true, false, false},
+      {"V4-Pro DSpark block", 128, 5, 128, 128, 5, 128 * 128, 128 * 5, 0.f, true, false, false},
+      {"V4-Pro HCA long context", 16, 1, 128, 8192, 0, 16 * 8192, 0, 0.f, true, false, false},
+      {"dense 16k", 32, 1, 64, 16384, 0, 32 * 16384, 0, 0.f, true, false, false},
+  };
+  for (const auto& c : cases) {
+    if (only && !std::strstr(c.name, only)) continue;
+    const int kSets = 4;  // rotate pools: 4 x pool > L2 for every case
+    std::vector<AttnData> sets;
+    for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true));
+    for (int i = 0; i < 3; ++i) CK(jds::run_sparse_sink_attention(sets[i % kSets].p, 0));
+    CK(cudaDeviceSynchronize());
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    const int iters = 40;
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i) CK(jds::run_sparse_sink_attention(sets[i % kSets].p, 0));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    const double us = ms * 1e3 / iters;
+    const double bytes = double(c.B) * (c.K + c.K2) * 1024.0;
+    const double flops = 4.0 * c.B * c.S * c.H * (c.K + c.K2) * 512.0;
+    std::printf("{\"name\": \"%s\", \"splits\": %d, \"kernel_event_us\": %.2f, \"TBps\": %.3f, \"TFLOPs\": %.1f}\n", c.name,
+                sets[0].p.num_splits, us, bytes / us / 1e6, flops / us / 1e6);
+    for (auto& s : sets) free_attn(s);
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);  // keep partial output if a time limit kills us
+  int sms = 132;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench(sms, argc > 2 ? argv[2] : nullptr);
+  return memcheck(sms);
+}

@@ -1,0 +1,134 @@
+"""`jax-dspark bench attention`: sparse sink attention, XLA reference vs CUDA kernel.
+
+Each case gives every request K distinct rows of its own (a random permutation of a
+private region of one big pool, so the gather order is random and nothing repeats across
+requests); the S query rows of a request share the list, as a DSpark block does. DSpark
+cases put the last 5 rows in the extra pool (the draft block) and the rest in the main pool
+(the context ring). Bytes counted = distinct rows x 1024 B; FLOPs = 4 * B*S*H*K*512.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dspark import _ffi, ops
+from jax_dspark.bench import report, timing
+
+D = 512
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    B: int  # requests
+    S: int  # query rows per request
+    H: int  # heads
+    K: int  # rows seen per query row
+    extra: int = 0  # of K, rows taken from the extra pool
+
+
+CASES = (
+    Case("V4-Flash CSA decode", 64, 1, 64, 640),
+    Case("DSpark block", 64, 5, 64, 133, extra=5),
+    Case("V4-Pro DSpark block", 128, 5, 128, 133, extra=5),
+    Case("V4-Pro HCA long context", 16, 1, 128, 8192),
+    Case("dense 16k", 32, 1, 64, 16384),
+)
+TARGET_MEMORY_FRACTION = 0.8
+TARGET_COMPUTE_FRACTION = 0.5
+TARGET_SPEEDUP = 5.0
+
+
+def make_inputs(case: Case, sets: int, seed: int = 0):
+    """`sets` input tuples (q, main_rows, main_idx, extra_rows, extra_idx, sink) over shared pools."""
+    rng = np.random.default_rng(seed)
+    k_main = case.K - case.extra
+    key = jax.random.key(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    main_rows = jax.random.normal(k1, (case.B * k_main, D), jnp.bfloat16)
+    extra_rows = jax.random.normal(k2, (max(1, case.B * case.extra), D), jnp.bfloat16)
+    sink = jnp.asarray(rng.standard_normal(case.H), jnp.float32)
+    out = []
+    for i in range(sets):
+        qk = jax.random.fold_in(k3, i)
+        q = jax.random.normal(qk, (case.B, case.S, case.H, D), jnp.bfloat16)
+        main_idx = np.stack([b * k_main + rng.permutation(k_main) for b in range(case.B)]).astype(np.int32)
+        main_idx = jnp.asarray(np.broadcast_to(main_idx[:, None], (case.B, case.S, k_main)).copy())
+        extra_idx = None
+        if case.extra:
+            e = np.stack([b * case.extra + rng.permutation(case.extra) for b in range(case.B)]).astype(np.int32)
+            extra_idx = jnp.asarray(np.broadcast_to(e[:, None], (case.B, case.S, case.extra)).copy())
+        out.append((q, main_rows, main_idx, extra_rows if case.extra else None, extra_idx, sink))
+    return out
+
+
+def _op(mode: str):
+    def f(q, main_rows, main_idx, extra_rows, extra_idx, sink):
+        with ops.force(mode):
+            return ops.sparse_sink_attention(
+                q, main_rows, main_idx, extra_rows=extra_rows, extra_idx=extra_idx, sink=sink, scale=D**-0.5
+            )
+
+    return f
+
+
+def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_sets: int = 4, only: str | None = None) -> dict:
+    copy = timing.copy_bandwidth_TBps()
+    gemm = timing.gemm_bf16_TFLOPs()
+    ridge = gemm / copy  # FLOP per byte where the two ceilings meet
+    have_kernel = _ffi.kernel_report().get("sparse_sink_attention") == _ffi.REGISTERED
+    cases = []
+    for case in CASES:
+        if only and only.lower() not in case.name.lower():
+            continue
+        sets = make_inputs(case, max(kernel_sets, xla_sets))
+        flops = 4.0 * case.B * case.S * case.H * case.K * D
+        kv_bytes = float(case.B * case.K * D * 2)
+        xla_us = timing.per_call_us(_op("reference"), sets[:xla_sets])
+        kernel_us = timing.per_call_us(_op("kernel"), sets[:kernel_sets]) if have_kernel else float("nan")
+        bound = "memory" if flops / kv_bytes < ridge else "compute"
+        tbps = kv_bytes / (kernel_us * 1e-6) / 1e12
+        tflops = flops / (kernel_us * 1e-6) / 1e12
+        achieved = tbps / copy if bound == "memory" else tflops / gemm
+        needed = TARGET_MEMORY_FRACTION if bound == "memory" else TARGET_COMPUTE_FRACTION
+        row = dict(
+            name=case.name, B=case.B, S=case.S, H=case.H, K=case.K,
+            xla_us=round(xla_us, 2), kernel_us=timing.finite_or_none(round(kernel_us, 2)),
+            kernel_TBps=timing.finite_or_none(round(tbps, 3)), kernel_TFLOPs=timing.finite_or_none(round(tflops, 1)),
+            bound=bound, fraction_of_ceiling=timing.finite_or_none(round(achieved, 3)),
+            speedup_vs_xla=timing.finite_or_none(round(xla_us / kernel_us, 1)),
+        )
+        row["meets_target"] = bool(achieved >= needed and xla_us / kernel_us >= TARGET_SPEEDUP)
+        cases.append(row)
+        print(row, flush=True)
+    result = dict(
+        gpu=timing.gpu_name(), commit=report.commit_id(commit), date=report.today(),
+        copy_TBps=round(copy, 3), gemm_bf16_TFLOPs=round(gemm, 1),
+        targets=dict(
+            memory_bound_fraction_of_copy=TARGET_MEMORY_FRACTION,
+            compute_bound_fraction_of_gemm=TARGET_COMPUTE_FRACTION,
+            min_speedup_vs_xla=TARGET_SPEEDUP,
+            ridge_flop_per_byte=round(ridge, 1),
+        ),
+        cases=cases,
+    )
+    columns = [
+        ("case", "name"), ("B", "B"), ("S", "S"), ("H", "H"), ("K", "K"), ("XLA µs", "xla_us"),
+        ("kernel µs", "kernel_us"), ("KV TB/s", "kernel_TBps"), ("TFLOP/s", "kernel_TFLOPs"), ("bound", "bound"),
+        ("of ceiling", "fraction_of_ceiling"), ("speedup", "speedup_vs_xla"), ("meets target", "meets_target"),
+    ]
+    notes = [
+        "XLA = `ops.sparse_sink_attention_reference` (f32 gather + einsum at HIGHEST precision), kernel = the "
+        "CUDA kernel through XLA FFI; both timed in the same process by `jax_dspark.bench.timing.per_call_us` "
+        "(N calls on N input sets in one executable minus a 1-call executable).",
+        "KV TB/s = distinct KV bytes (B x K x 1024) / kernel time; TFLOP/s = 4 B S H K 512 / kernel time.",
+        f"Targets: memory-bound cases >= {TARGET_MEMORY_FRACTION:.0%} of the copy bandwidth, compute-bound "
+        f">= {TARGET_COMPUTE_FRACTION:.0%} of the GEMM rate, every case >= {TARGET_SPEEDUP:g}x the XLA reference; "
+        f"a case is memory-bound when its FLOP/byte is under the measured ridge ({ridge:.0f}).",
+    ]
+    print(report.write(result, json_path, columns, "Sparse sink attention: XLA reference vs CUDA kernel", notes))
+    return result

@@ -1,0 +1,146 @@
+"""Kernel library plumbing that needs no GPU: dispatch switch, FFI API-version rule, handler
+metadata, split-K choice and the wrappers' fallbacks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dspark import _ffi, ops
+from jax_dspark.ops import _kernels
+
+
+@pytest.fixture
+def lib():
+    loaded = _ffi.library()
+    if isinstance(loaded, str):
+        pytest.skip(f"no compiled kernel library here: {loaded}")
+    return loaded
+
+
+def test_kernels_are_not_used_on_a_cpu_backend():
+    with _ffi.forced("auto"):
+        assert not _ffi.use_kernel("sparse_sink_attention")
+        assert not _ffi.use_kernel("rms_norm_rope")
+
+
+def test_kernel_report_names_every_kernel_with_a_reason():
+    report = _ffi.kernel_report()
+    assert set(report) == set(_ffi.KERNELS)
+    assert all(reason != _ffi.REGISTERED and reason for reason in report.values())
+
+
+def test_forcing_an_unavailable_kernel_raises_with_its_name():
+    with _ffi.forced("kernel"), pytest.raises(RuntimeError, match="sparse_sink_attention"):
+        _ffi.use_kernel("sparse_sink_attention")
+
+
+def test_forced_mode_is_restored_after_the_context():
+    _ffi.set_force_mode("auto")
+    with _ffi.forced("reference"):
+        assert _ffi.force_mode() == "reference"
+    assert _ffi.force_mode() == "auto"
+
+
+def test_unknown_force_mode_is_rejected():
+    with pytest.raises(ValueError, match="mode"):
+        _ffi.set_force_mode("fast")
+
+
+@pytest.mark.parametrize(
+    ("handler", "runtime", "ok"),
+    [((0, 3), (0, 3), True), ((0, 3), (0, 4), True), ((0, 5), (0, 4), False), ((1, 0), (0, 4), False)],
+)
+def test_api_version_rule_accepts_only_older_or_equal_minor(handler, runtime, ok):
+    assert _ffi.api_version_compatible(handler, runtime) is ok
+
+
+def test_handlers_report_the_api_version_of_their_build_headers(lib):
+    for target in lib.capsules:
+        major, minor, _ = lib.metadata(target)
+        assert (major, minor) == lib.api_version
+
+
+def test_library_api_version_is_accepted_by_this_jaxlib(lib):
+    runtime = _ffi.runtime_ffi_api_version()
+    assert runtime is not None
+    assert _ffi.api_version_compatible(lib.api_version, runtime)
+
+
+def test_handlers_declare_command_buffer_compatibility(lib):
+    for target in lib.capsules:
+        assert lib.metadata(target)[2] & 1, target  # XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE
+
+
+def test_metadata_of_an_unknown_target_raises(lib):
+    with pytest.raises(ValueError, match="no_such_target"):
+        lib.metadata("no_such_target")
+
+
+def test_split_k_fills_the_gpu_for_v4_flash_decode():
+    # B 64, S 1, H 64, K 640: 64 CTAs alone would leave half of 132 SMs idle.
+    assert _kernels.choose_splits(64, 1, 64, 640, 132) == 2
+
+
+def test_split_k_leaves_short_lists_unsplit():
+    assert _kernels.choose_splits(1, 1, 64, 64, 132) == 1
+    assert _kernels.choose_splits(128, 5, 128, 133, 132) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_split_k_never_leaves_a_split_without_rows(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        b, s, h, k = (int(v) for v in (rng.integers(1, 65), rng.integers(1, 9), rng.choice([64, 128]), rng.integers(0, 20000)))
+        splits = _kernels.choose_splits(b, s, h, k, 132)
+        tiles = -(-k // 64)
+        assert 1 <= splits <= max(1, min(32, tiles))
+        per_split = -(-tiles // splits) if tiles else 0
+        assert tiles == 0 or -(-tiles // per_split) == splits
+
+
+def test_per_head_rope_table_is_passed_without_tiling():
+    freqs = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 1, 4, 2)), jnp.float32)
+    grouped = _kernels._freqs_per_row_group(freqs, (2, 3, 16))  # x [2, 3, 16 heads, D]
+    assert grouped.shape == (6, 4, 2)
+    np.testing.assert_array_equal(np.asarray(grouped), np.asarray(freqs).reshape(6, 4, 2))
+
+
+def test_rope_table_varying_in_a_middle_axis_is_broadcast_over_the_leading_ones():
+    freqs = jnp.asarray(np.random.default_rng(1).standard_normal((3, 1, 4, 2)), jnp.float32)
+    grouped = _kernels._freqs_per_row_group(freqs, (2, 3, 5))
+    assert grouped.shape == (6, 4, 2)
+    np.testing.assert_array_equal(np.asarray(grouped)[4], np.asarray(freqs)[1, 0])
+
+
+def test_attention_wrapper_runs_the_reference_for_float32_queries():
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((1, 2, 3, 512)), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((10, 512)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-1, 10, (1, 2, 4)), jnp.int32)
+    got = _kernels.sparse_sink_attention(q, rows, idx, scale=0.05)
+    want = ops.sparse_sink_attention_reference(q, rows, idx, scale=0.05)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_attention_wrapper_refuses_an_unsupported_call_when_the_kernel_is_forced():
+    q = jnp.ones((1, 1, 2, 64), jnp.bfloat16) * 0.5
+    rows = jnp.ones((3, 64), jnp.bfloat16)
+    idx = jnp.zeros((1, 1, 2), jnp.int32)
+    with _ffi.forced("kernel"), pytest.raises(ValueError, match="head dim 64"):
+        _kernels.sparse_sink_attention(q, rows, idx, scale=0.1)
+
+
+def test_prep_wrapper_runs_the_reference_composition_for_float16():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float16)
+    freqs = jnp.asarray(rng.standard_normal((4, 8, 2)), jnp.float32)
+    got = _kernels.rms_norm_rope(x, None, freqs, eps=1e-6)
+    want = ops.apply_rope(ops.rms_norm(x, eps=1e-6), freqs)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_prep_wrapper_rejects_a_block_that_does_not_divide_the_row():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 192)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="fp8_block"):
+        _kernels.rms_norm_rope(x, fp8_block=128)

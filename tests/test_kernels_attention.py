@@ -1,0 +1,188 @@
+"""The sparse sink attention kernel against the pure-JAX reference on the GPU.
+
+Fresh random inputs per case; outputs land in NaN-poisoned buffers (donated into the call),
+so an element the kernel forgets to write fails loudly. Error metric: ||out - ref|| / ||ref||
+over bf16 outputs, tolerance 1e-2 (bf16 probabilities and output rounding give ~3e-3).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dspark import _ffi, ops
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-2
+D = 512
+
+
+def make_case(seed, b, s, h, k, n=None, k2=0, n2=0, drop=0.2, shared_lists=False):
+    rng = np.random.default_rng(seed)
+    n = n or max(1, b * k)
+    q = rng.standard_normal((b, s, h, D)).astype(np.float32)
+    rows = rng.standard_normal((n, D)).astype(np.float32)
+    idx = rng.integers(0, n, (b, 1 if shared_lists else s, k)).astype(np.int32)
+    idx = np.where(rng.random(idx.shape) < drop, -1, idx)
+    idx = np.broadcast_to(idx, (b, s, k)).copy()
+    args = dict(q=jnp.asarray(q, jnp.bfloat16), main_rows=jnp.asarray(rows, jnp.bfloat16), main_idx=jnp.asarray(idx))
+    if n2:
+        rows2 = rng.standard_normal((n2, D)).astype(np.float32)
+        idx2 = rng.integers(-1, n2, (b, s, k2)).astype(np.int32)
+        args.update(extra_rows=jnp.asarray(rows2, jnp.bfloat16), extra_idx=jnp.asarray(idx2))
+    return args, rng
+
+
+def run_kernel(args, **kw):
+    """The op under ops.force('kernel'), writing into NaN-filled donated output buffers."""
+    b, s, h, _ = args["q"].shape
+
+    def f(poison_out, poison_lse, a):
+        del poison_out, poison_lse
+        with ops.force("kernel"):
+            return ops.sparse_sink_attention(**a, **kw, return_lse=True)
+
+    poison_out = jnp.full((b, s, h, D), jnp.nan, jnp.bfloat16)
+    poison_lse = jnp.full((b, s, h), jnp.nan, jnp.float32)
+    return jax.jit(f, donate_argnums=(0, 1))(poison_out, poison_lse, args)
+
+
+def reference(args, **kw):
+    return ops.sparse_sink_attention_reference(**args, **kw, return_lse=True)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert not np.isnan(got).any(), "kernel left NaN (unwritten or poisoned) elements"
+    denom = np.linalg.norm(want)
+    return np.linalg.norm(got - want) / (denom if denom > 0 else 1.0)
+
+
+def check(args, **kw):
+    out, lse = run_kernel(args, **kw)
+    ref_out, ref_lse = reference(args, **kw)
+    assert rel_err(out, ref_out) < TOL
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+    return out, lse
+
+
+def test_kernel_is_registered_on_the_h200():
+    assert _ffi.kernel_report()["sparse_sink_attention"] == _ffi.REGISTERED
+
+
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("s", [1, 3])
+def test_matches_reference_with_sink_and_inverse_rope(h, s):
+    args, rng = make_case(10 * h + s, b=3, s=s, h=h, k=150, k2=9, n2=40)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((3, s, 32, 2)), jnp.float32)
+    check(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
+
+
+@pytest.mark.parametrize("k", [1, 63, 64, 65, 100, 129])
+def test_list_lengths_around_the_tile_size(k):
+    args, _ = make_case(k, b=2, s=2, h=64, k=k, drop=0.0)
+    check(args, scale=0.05)
+
+
+def test_long_lists_split_over_ctas_combine_exactly():
+    args, rng = make_case(7, b=2, s=1, h=64, k=3000, n=5000)
+    sink = jnp.asarray(rng.standard_normal(64) + 3.0, jnp.float32)
+    check(args, sink=sink, scale=512**-0.5)
+
+
+def test_long_lists_with_inverse_rope_through_the_combine():
+    args, rng = make_case(8, b=1, s=2, h=128, k=2000, n=3000, k2=300, n2=500)
+    rope = jnp.asarray(rng.standard_normal((1, 2, 32, 2)), jnp.float32)
+    check(args, scale=512**-0.5, inverse_rope=rope)
+
+
+def test_heads_not_a_multiple_of_64():
+    args, _ = make_case(9, b=2, s=1, h=96, k=70)
+    check(args, scale=0.04)
+
+
+def test_empty_lists_give_zeros_and_minus_inf_lse():
+    args, rng = make_case(11, b=2, s=2, h=64, k=0, n=10)
+    out, lse = run_kernel(args, sink=jnp.asarray(rng.standard_normal(64), jnp.float32), scale=0.1)
+    assert np.all(np.asarray(out, np.float32) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_all_masked_rows_give_zeros():
+    args, _ = make_case(12, b=2, s=1, h=64, k=200, drop=1.0)
+    out, lse = run_kernel(args, scale=0.1)
+    assert np.all(np.asarray(out, np.float32) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_only_the_extra_pool_has_rows():
+    args, _ = make_case(13, b=2, s=2, h=64, k=0, k2=50, n2=60)
+    check(args, scale=0.05)
+
+
+def test_one_row():
+    args, _ = make_case(14, b=1, s=1, h=64, k=1, n=1, drop=0.0)
+    check(args, scale=0.05)
+
+
+def test_out_of_range_indices_under_jit_are_masked_not_read():
+    args, rng = make_case(15, b=2, s=2, h=64, k=90, n=50)
+    idx = np.asarray(args["main_idx"]).copy()
+    idx[0, 0, :5] = [50, 10**9, -2, -(10**9), 49]  # pool boundary and far outside it
+    args["main_idx"] = jnp.asarray(idx)
+
+    def f(a):
+        with ops.force("kernel"):
+            return ops.sparse_sink_attention(**a, scale=0.05, return_lse=True)
+
+    out, _ = jax.jit(f)(args)
+    masked = dict(args, main_idx=jnp.asarray(np.where((idx < 0) | (idx >= 50), -1, idx)))
+    ref_out, _ = reference(masked, scale=0.05)
+    assert rel_err(out, ref_out) < TOL
+
+
+@pytest.mark.parametrize("sink_value", [-np.inf, 40.0])
+def test_extreme_sinks(sink_value):
+    args, _ = make_case(16, b=2, s=1, h=64, k=80)
+    check(args, sink=jnp.full((64,), sink_value, jnp.float32), scale=0.05)
+
+
+def test_dspark_block_rows_share_one_list():
+    args, rng = make_case(17, b=4, s=5, h=64, k=128, k2=5, n2=40, shared_lists=True)
+    check(args, sink=jnp.asarray(rng.standard_normal(64), jnp.float32), scale=512**-0.5)
+
+
+def test_vmap_over_requests_matches_reference():
+    args, _ = make_case(18, b=2, s=1, h=64, k=70)
+    batched = {k: jnp.stack([v, v[::-1]]) if k != "main_rows" else v for k, v in args.items()}
+
+    def f(q, idx):
+        with ops.force("kernel"):
+            return ops.sparse_sink_attention(q, batched["main_rows"], idx, scale=0.05)
+
+    got = jax.jit(jax.vmap(f))(batched["q"], batched["main_idx"])
+    want = jax.vmap(lambda q, i: ops.sparse_sink_attention_reference(q, batched["main_rows"], i, scale=0.05))(
+        batched["q"], batched["main_idx"]
+    )
+    assert rel_err(got, want) < TOL
+
+
+def test_handler_rejects_a_short_workspace_with_an_ffi_error():
+    args, _ = make_case(19, b=1, s=1, h=64, k=640)
+    call = jax.ffi.ffi_call(
+        "jax_dspark_sparse_sink_attention",
+        (
+            jax.ShapeDtypeStruct((1, 1, 64, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 1, 64), jnp.float32),
+            jax.ShapeDtypeStruct((1,), jnp.float32),
+        ),
+    )
+    with pytest.raises(Exception, match="workspace"):
+        out = call(
+            args["q"], args["main_rows"], args["main_idx"], jnp.zeros((0, D), jnp.bfloat16),
+            jnp.zeros((1, 1, 0), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32),
+            scale=np.float32(0.1), num_splits=np.int32(4), has_sink=np.int32(0), rope_dim=np.int32(0),
+        )
+        jax.block_until_ready(out)
