@@ -125,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="confidence-scheduled verification (needs --sps-table)")
     parser.add_argument("--sps-table", metavar="JSON",
                         help='verify throughput table: {"tokens": [...], "steps_per_s": [...]}')
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="shard heads / FFN / vocab over N devices (all processes' devices count)")
+    parser.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                        help="shard MoE experts over N devices (all-to-all dispatch)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -180,11 +184,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"jax-dspark generate: error: {err}", file=sys.stderr)
         return 2
 
+    import contextlib
+
+    context = contextlib.nullcontext()
+    if args.tensor_parallel > 1 or args.expert_parallel > 1:
+        from flax import nnx
+
+        from jax_dspark import ops, parallel
+
+        try:
+            mesh = parallel.make_mesh(tensor=args.tensor_parallel, expert=args.expert_parallel)
+        except ValueError as err:
+            print(f"jax-dspark generate: error: {err}", file=sys.stderr)
+            return 2
+        for model in (spec.target, spec.drafter):
+            nnx.update(model, parallel.V4_RULES.apply(nnx.state(model), mesh))
+        context = ops.expert_parallel(mesh) if args.expert_parallel > 1 else contextlib.nullcontext()
+
     bar = None if args.no_progress else _ProgressBar(sys.stderr)
     try:
-        result = generate(spec.target, spec.drafter if args.drafter == "dspark" else None, prompt_ids,
-                          max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                          scheduler=scheduler, progress=bar)
+        with context:
+            result = generate(spec.target, spec.drafter if args.drafter == "dspark" else None, prompt_ids,
+                              max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                              scheduler=scheduler, progress=bar)
     finally:
         if bar is not None:
             bar.close()
