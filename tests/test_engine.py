@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import re
 
-import functools
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
 from jax_dspark.models.dspark import tiny_dspark
 from jax_dspark.models.dspark_model_drafter import ModelDrafter
@@ -30,46 +24,15 @@ MAX_NEW = 10
 STEEP = SpsTable.create([1.0, 4.0, 8.0, 16.0], [1.0, 0.9, 0.5, 0.2])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _teacher_forced_argmax(graphdef, params, tokens, lengths):
-    """`i32[B, S]` argmax of the target's logits over whole sequences from an empty cache."""
-    target = nnx.merge(graphdef, params)
-    b, s = tokens.shape
-    logits, _, _ = target(tokens, target.init_cache(b, s), slots=jnp.arange(b, dtype=jnp.int32),
-                          starts=jnp.zeros((b,), jnp.int32), lengths=lengths)
-    return jnp.argmax(logits, axis=-1)
-
-
-def _greedy_continuation_errors(target, prompts, outputs) -> list[tuple[int, int]]:
-    """(request, step) pairs where an output token is not the target's argmax after its prefix.
-
-    One teacher-forced forward over prompt + output per request: the target's own greedy
-    decoding is exactly the sequence where every token is the argmax of the row before it.
-    """
-    seqs = [list(p) + list(o) for p, o in zip(prompts, outputs)]
-    width = max(map(len, seqs))
-    tokens = np.zeros((len(seqs), width), np.int32)
-    for b, s in enumerate(seqs):
-        tokens[b, : len(s)] = s
-    lens = jnp.asarray([len(s) for s in seqs], jnp.int32)
-    argmax = np.asarray(_teacher_forced_argmax(*nnx.split(target), jnp.asarray(tokens), lens))
-    bad = []
-    for b, (p, o) in enumerate(zip(prompts, outputs)):
-        for k, tok in enumerate(o):
-            if argmax[b, len(p) - 1 + k] != tok:
-                bad.append((b, k))
-    return bad
-
-
 @pytest.mark.parametrize("scheduler", [None, Scheduler(table=STEEP)], ids=["verify_all", "causal_schedule"])
-def test_greedy_speculative_output_equals_greedy_plain_decoding(scheduler):
+def test_greedy_speculative_output_equals_greedy_plain_decoding(scheduler, greedy_errors):
     for seed in (0, 3):
         target = tiny_llama(seed)
         plain = generate(target, None, PROMPTS, max_new_tokens=MAX_NEW, seed=seed)
         spec = generate(target, tiny_dspark(target.config, seed=seed + 1), PROMPTS, max_new_tokens=MAX_NEW,
                         seed=seed, scheduler=scheduler)
         assert spec.tokens == plain.tokens, f"seed {seed}"
-        assert _greedy_continuation_errors(target, PROMPTS, plain.tokens) == [], f"seed {seed}"
+        assert greedy_errors(target, PROMPTS, plain.tokens) == [], f"seed {seed}"
         if scheduler is not None:
             assert spec.stats.verify_rate < 1.0, "the steep table should trim some blocks"
 

