@@ -78,3 +78,18 @@ def test_generate_rejects_prompts_with_out_of_vocabulary_ids():
     target = tiny_llama(0)
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
         generate(target, None, [[1, 2], [3, target.config.vocab_size]], max_new_tokens=2)
+
+
+def test_a_stop_token_ends_its_request_and_the_rest_are_unchanged(greedy_errors):
+    target = tiny_llama(0)
+    drafter = tiny_dspark(target.config, seed=1)
+    full = generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
+    stop = full.tokens[1][3]  # request 1 emits this token at step 3 (maybe earlier too)
+    cut = generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_ids=[stop])
+    for want, got in zip(full.tokens, cut.tokens):
+        end = want.index(stop) + 1 if stop in want else len(want)
+        assert got == want[:end]
+    assert len(cut.tokens[1]) <= 4 and cut.tokens[1][-1] == stop
+    assert greedy_errors(target, PROMPTS, cut.tokens) == []
+    with pytest.raises(ValueError, match="stop_ids"):
+        generate(target, drafter, PROMPTS, max_new_tokens=2, stop_ids=[target.config.vocab_size])

@@ -107,8 +107,8 @@ def tiny_v4_target(seed: int) -> GenerateTarget:
 def smollm2_target(seed: int) -> GenerateTarget:
     """SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to f32) and its trained DSpark drafter.
 
-    Prompts become one user turn of the ChatML template; the answer is shown up to the
-    first end-of-turn token (generation itself runs `--max-new-tokens` steps).
+    Prompts become one user turn of the ChatML template; a request stops at its first
+    end-of-turn token (or after `--max-new-tokens`).
     """
     del seed  # real weights
     from jax_dspark.checkpoint import load_smollm2
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         with context:
             result = generate(spec.target, spec.drafter if args.drafter == "dspark" else None, prompt_ids,
                               max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                              scheduler=scheduler, progress=bar)
+                              scheduler=scheduler, progress=bar, stop_ids=spec.eos_ids)
     finally:
         if bar is not None:
             bar.close()
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     if want_baseline and args.drafter == "dspark":
         with context:
             plain = generate(spec.target, None, prompt_ids, max_new_tokens=args.max_new_tokens,
-                             sampling=sampling, seed=args.seed)
+                             sampling=sampling, seed=args.seed, stop_ids=spec.eos_ids)
         baseline = plain.stats.to_dict()["tokens_per_s"]
     if args.json:
         out = dict(target=args.target, drafter=args.drafter, tokenizer=spec.tokenizer,

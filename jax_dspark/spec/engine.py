@@ -102,6 +102,7 @@ def decode_round(
     *,
     sampling: SamplingParams,
     max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
 ) -> DecodeState:
     """One decode round: verify the pending drafts, commit, draft the next block, schedule.
 
@@ -112,6 +113,9 @@ def decode_round(
       scheduler: `Scheduler` or None (verify every draft).
       sampling: target and draft sampling parameters (static).
       max_new_tokens: requests stop being active at this many emitted tokens (static).
+      stop_ids: token ids that end a request (static), e.g. end-of-turn: the request
+        emits up to and including the first one and then stops (its `num_out` jumps to
+        `max_new_tokens`; `out_tokens` past the stop token are not meaningful).
     Returns:
       the next `DecodeState`.
     """
@@ -137,6 +141,12 @@ def decode_round(
         lambda row, new, start, on: jnp.where(on, jax.lax.dynamic_update_slice(row, new, (start,)), row)
     )(state.out_tokens, result.tokens, state.num_out, active)
     num_out = state.num_out + committed
+    emitted = committed
+    if stop_ids:
+        is_stop = jnp.isin(result.tokens, jnp.asarray(stop_ids, jnp.int32)) & result.valid
+        stopped = active & jnp.any(is_stop, axis=1)
+        emitted = jnp.where(stopped, jnp.argmax(is_stop, axis=1) + 1, committed)
+        num_out = jnp.where(stopped, jnp.maximum(num_out, max_new_tokens), num_out)
     anchor = jnp.where(active, result.next_token, state.anchor)
 
     # 4. drafter: back-fill the committed rows, then draft from the new anchor
@@ -155,7 +165,7 @@ def decode_round(
     on = active.astype(jnp.int32)[:, None]
     stats = RoundStats(
         rounds=state.stats.rounds + active.astype(jnp.int32),
-        emitted=state.stats.emitted + committed,
+        emitted=state.stats.emitted + emitted,
         verified=state.stats.verified + jnp.sum(on * (j[None, :] < vlen[:, None]), axis=0),
         accepted=state.stats.accepted + jnp.sum(on * (j[None, :] < n[:, None]), axis=0),
     )
@@ -178,6 +188,8 @@ def prefill(
     *,
     sampling: SamplingParams,
     final: bool,
+    stop_ids: tuple[int, ...] = (),
+    max_new_tokens: int = 0,
 ) -> DecodeState:
     """One prefill chunk; the final chunk also drafts the first block.
 
@@ -196,6 +208,7 @@ def prefill(
       counts: `i32[B]` valid rows of the chunk per request (0 = none).
       prompt_lens: `i32[B]` (>= 1) full prompt lengths.
       final: the last chunk (static): then draft, schedule and emit the first token.
+      stop_ids, max_new_tokens: a first token in `stop_ids` finishes its request at once.
     Returns:
       after the final chunk, the state before the first decode round: lengths = prompt
       lengths, anchor = first generated token (also `out_tokens[:, 0]`), drafts and verify
@@ -225,7 +238,8 @@ def prefill(
         state, drafter_state=state_d, drafts=drafts, draft_probs=probs, confidence=conf,
         verify_lens=jnp.full((b,), drafts.shape[1], jnp.int32),
         out_tokens=state.out_tokens.at[:, 0].set(anchor),
-        num_out=jnp.ones((b,), jnp.int32),
+        num_out=jnp.where(jnp.isin(anchor, jnp.asarray(stop_ids, jnp.int32)), max(max_new_tokens, 1), 1)
+        if stop_ids else jnp.ones((b,), jnp.int32),
     )
 
 
@@ -235,23 +249,24 @@ def prefill(
 # two engines over models of the same architecture (e.g. different seeds or checkpoints)
 # then share one compiled program, because parameters are ordinary array arguments.
 
-_STATIC = ("t_graph", "d_graph", "sampling")
+_STATIC = ("t_graph", "d_graph", "sampling", "stop_ids")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("final",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("final", "max_new_tokens"), donate_argnames=("state",))
 def _jit_prefill(t_params, d_params, state, chunk, starts, counts, prompt_lens, *,
-                 t_graph, d_graph, sampling, final):
+                 t_graph, d_graph, sampling, stop_ids, final, max_new_tokens):
     target = nnx.merge(t_graph, t_params)
     drafter = None if d_graph is None else nnx.merge(d_graph, d_params)
     return prefill(target, drafter, state, chunk, starts, counts, prompt_lens,
-                   sampling=sampling, final=final)
+                   sampling=sampling, final=final, stop_ids=stop_ids, max_new_tokens=max_new_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("max_new_tokens",), donate_argnames=("state",))
-def _jit_round(t_params, d_params, state, scheduler, *, t_graph, d_graph, sampling, max_new_tokens):
+def _jit_round(t_params, d_params, state, scheduler, *, t_graph, d_graph, sampling, stop_ids, max_new_tokens):
     target = nnx.merge(t_graph, t_params)
     drafter = None if d_graph is None else nnx.merge(d_graph, d_params)
-    return decode_round(target, drafter, state, scheduler, sampling=sampling, max_new_tokens=max_new_tokens)
+    return decode_round(target, drafter, state, scheduler, sampling=sampling, max_new_tokens=max_new_tokens,
+                        stop_ids=stop_ids)
 
 
 _COMPILED: set = set()
@@ -292,6 +307,7 @@ class SpeculativeEngine:
         max_new_tokens: int,
         scheduler: Scheduler | None = None,
         prefill_chunk: int = 256,
+        stop_ids: Sequence[int] = (),
     ):
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be a positive int (got {max_new_tokens!r})")
@@ -315,7 +331,12 @@ class SpeculativeEngine:
             self._d_graph, self._d_params = None, None
         else:
             self._d_graph, self._d_params = nnx.split(drafter)
-        self._static = dict(t_graph=self._t_graph, d_graph=self._d_graph, sampling=sampling)
+        self.stop_ids = tuple(sorted({int(t) for t in stop_ids}))
+        vocab = int(target.config.vocab_size)
+        if any(not 0 <= t < vocab for t in self.stop_ids):
+            raise ValueError(f"stop_ids: must lie in [0, {vocab}) (got {list(self.stop_ids)})")
+        self._static = dict(t_graph=self._t_graph, d_graph=self._d_graph, sampling=sampling,
+                            stop_ids=self.stop_ids)
 
     def _chunks(self, prompts, prompt_lens):
         """Split right-padded prompts `[B, P]` into chunks of at most `prefill_chunk` rows:
@@ -341,7 +362,7 @@ class SpeculativeEngine:
         fn = _jit_prefill.lower if lower else _jit_prefill
         return fn(self._t_params, self._d_params, state, jnp.asarray(chunk),
                   jnp.asarray(starts), jnp.asarray(counts), jnp.asarray(lens, jnp.int32),
-                  final=final, **self._static)
+                  final=final, max_new_tokens=self.max_new_tokens, **self._static)
 
     def _round_kwargs(self):
         return dict(self._static, max_new_tokens=self.max_new_tokens)
@@ -407,7 +428,7 @@ class SpeculativeEngine:
                 continue
             seen.add(final)
             args = (self._t_params, self._d_params, state, chunk, starts, counts, prompt_lens)
-            if _remember(("prefill", final, tuple(sorted(self._static.items(), key=str))), args):
+            if _remember(("prefill", final, self.max_new_tokens, tuple(sorted(self._static.items(), key=str))), args):
                 self._prefill_call(state, chunk, starts, counts, prompt_lens, final, lower=True).compile()
         args = (self._t_params, self._d_params, state, self.scheduler)
         if _remember(("round", tuple(sorted(self._round_kwargs().items(), key=str))), args):
@@ -487,6 +508,14 @@ def _pad_prompts(prompts: Sequence[Sequence[int]], vocab: int,
     return out, np.asarray(lens, np.int32)
 
 
+def _until_stop(row: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    """`row` up to and including its first stop token."""
+    for i, t in enumerate(row):
+        if t in stop_ids:
+            return row[: i + 1]
+    return row
+
+
 def _host(tree):
     """Device -> numpy, also for arrays spanning other processes' devices (jax.distributed):
     those are gathered from every process first, so all processes see the same values."""
@@ -533,6 +562,7 @@ def generate(
     scheduler: Scheduler | None = None,
     progress: Callable[[int, int], None] | None = None,
     prefill_chunk: int = 256,
+    stop_ids: Sequence[int] = (),
 ) -> GenerateResult:
     """Speculative generation for a batch of prompts (plain decoding when `drafter` is None).
 
@@ -550,12 +580,14 @@ def generate(
         round (e.g. to draw a progress bar).
       prefill_chunk: prompt rows per prefill call (the V4 target accepts at most its
         cache's `max_tokens_per_call`, 256 by default).
+      stop_ids: token ids that end a request (e.g. end-of-turn); its tokens then end with
+        the first one, and statistics count only what was emitted up to it.
     Returns:
       `GenerateResult(tokens, stats)`; `tokens[b]` are the `max_new_tokens` generated ids of
       prompt b (greedy speculative decoding gives exactly the greedy plain-decoding tokens).
     """
     engine = SpeculativeEngine(target, drafter, sampling=sampling, max_new_tokens=max_new_tokens,
-                               scheduler=scheduler, prefill_chunk=prefill_chunk)
+                               scheduler=scheduler, prefill_chunk=prefill_chunk, stop_ids=stop_ids)
     padded, lens = _pad_prompts(prompts, int(target.config.vocab_size))
     b = padded.shape[0]
     total = b * engine.max_new_tokens
@@ -586,6 +618,6 @@ def generate(
     decode_s = time.perf_counter() - t1
 
     out = _host(state.out_tokens)[:, : engine.max_new_tokens]
-    tokens = [[int(t) for t in row] for row in out]
-    stats = _summarise(state, engine.block_size, ttft, decode_s, compile_s, b * engine.max_new_tokens, rounds)
+    tokens = [_until_stop([int(t) for t in row], engine.stop_ids) for row in out]
+    stats = _summarise(state, engine.block_size, ttft, decode_s, compile_s, sum(map(len, tokens)), rounds)
     return GenerateResult(tokens=tokens, stats=stats)
