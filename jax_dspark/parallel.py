@@ -109,6 +109,34 @@ V4_RULES = ShardingRules((
 ))
 
 
+# Dense Llama-family targets and their standalone DSpark drafter. Layers are stacked along a
+# leading axis for `lax.scan`, so specs name `[L, in, out]`: Q/K/V and the FFN's gate|up
+# columns split over `tensor` (heads / FFN columns), the output and down projections split
+# by rows (XLA inserts the reduction), the vocabulary of the embedding and Markov tables too.
+LLAMA_RULES = ShardingRules((
+    (r"^layers/(wq|wk|wv|w_gate_up)$", P(None, None, "tensor")),
+    (r"^layers/(wo|w_down)$", P(None, "tensor", None)),
+    (r"^(embedding|lm_head)$", P("tensor", None)),
+    (r"^markov/w[12]$", P("tensor", None)),
+))
+
+
+def rules_for(model) -> ShardingRules:
+    """The sharding table of a target or drafter (V4 family by its `embed_tokens` naming)."""
+    from flax import nnx
+
+    names = {"/".join(_key_name(k) for k in path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
+    return V4_RULES if any(n.startswith("embed_tokens") or "/self_attn/" in n for n in names) else LLAMA_RULES
+
+
+def shard_model(model, mesh: Mesh) -> None:
+    """Place an NNX model's state on `mesh` by its rules (in place, via `nnx.update`)."""
+    from flax import nnx
+
+    nnx.update(model, rules_for(model).apply(nnx.state(model), mesh))
+
+
 def _key_name(key) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):

@@ -134,3 +134,23 @@ def test_sharded_speculative_generation_gives_the_single_device_tokens():
         round_text = engine.lower_step(engine.init_state(2, 7)).as_text()
     assert "all_to_all" in round_text  # the round's MoE layers really run expert-parallel
     assert [list(t) for t in sharded.tokens] == [list(t) for t in ref.tokens]
+
+
+def test_tensor_parallel_llama_generation_gives_the_single_device_tokens():
+    from flax import nnx
+
+    from jax_dspark.models.dspark import tiny_dspark
+    from jax_dspark.models.llama import tiny_llama
+    from jax_dspark.spec.engine import generate
+
+    target = tiny_llama(0)
+    drafter = tiny_dspark(target.config, seed=1)
+    prompts = [[5, 17, 300, 2], [40, 41, 42]]
+    ref = generate(target, drafter, prompts, max_new_tokens=6)
+    mesh = parallel.make_mesh(tensor=2)
+    assert parallel.rules_for(target) is parallel.LLAMA_RULES
+    for model in (target, drafter):
+        parallel.shard_model(model, mesh)
+    assert nnx.state(target)["layers"]["wq"][...].sharding.spec == P(None, None, "tensor")
+    sharded = generate(target, drafter, prompts, max_new_tokens=6)
+    assert sharded.tokens == ref.tokens

@@ -217,8 +217,6 @@ def run(args: argparse.Namespace) -> int:
 
     context = contextlib.nullcontext()
     if args.tensor_parallel > 1 or args.expert_parallel > 1:
-        from flax import nnx
-
         from jax_dspark import ops, parallel
 
         try:
@@ -227,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"jax-dspark generate: error: {err}", file=sys.stderr)
             return 2
         for model in (spec.target, spec.drafter):
-            nnx.update(model, parallel.V4_RULES.apply(nnx.state(model), mesh))
+            parallel.shard_model(model, mesh)
         context = ops.expert_parallel(mesh) if args.expert_parallel > 1 else contextlib.nullcontext()
 
     bar = None if args.no_progress else _ProgressBar(sys.stderr)
