@@ -224,7 +224,7 @@ class DeepseekV4Cache:
     """All layers' state for `num_slots` requests + the scratch slot.
 
     Attributes:
-      layers: one `V4LayerCache` per layer (then the MTP layer, if any).
+      layers: one `V4LayerCache` per layer (the MTP block keeps its own cache: `models/deepseek_v4_mtp.py`).
       lengths: int32 `[num_slots + 1]`: positions written per slot by the last call
         (`starts + lengths`); informational, the model never reads it. The engine sets
         the committed length with `commit` after a verify.

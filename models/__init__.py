@@ -2,7 +2,8 @@
 
 Targets: `llama` (dense Llama family, SmolLM2), `deepseek_v4` (DeepSeek-V4 Flash / Pro).
 Drafters: `dspark` (standalone, dense targets), `dspark_v4` (V4-embedded), `dspark_heads`
-(Markov and confidence heads), `dspark_model_drafter` (any target-protocol model drafting
+(Markov and confidence heads), `deepseek_v4_mtp` (V4's MTP block as an MTP-1 drafter),
+`dspark_model_drafter` (any target-protocol model drafting
 autoregressively). Submodules are imported on first attribute access so importing the
 package stays cheap.
 """
@@ -23,6 +24,7 @@ _EXPORTS = {
     "DSparkV4State": "dspark_v4",
     "tiny_dspark_v4": "dspark_v4",
     "ModelDrafter": "dspark_model_drafter",
+    "MTPDrafter": "deepseek_v4_mtp",
     "MarkovHead": "dspark_heads",
     "ConfidenceHead": "dspark_heads",
 }

@@ -11,7 +11,8 @@ written); slot `cache.scratch_slot` (the last) is for padding requests. Rollback
 bookkeeping: every state a later call reads is indexed by position (window ring,
 compressor rings, compressed rows), so after a verify the engine just continues from
 `starts + n + 1`. `hiddens[:, :, c]` is the mean over the mHC streams ENTERING layer
-`config.capture_layers[c]` (the DSpark capture point).
+`config.capture_layers[c]` (the DSpark capture point); with `capture_streams=True` the
+final mHC streams follow them (the MTP block's input, see `deepseek_v4_mtp.py`).
 
 Jitted entry points (`prefill_chunk`, `decode`, `verify`) take `(graphdef, params)` from
 `nnx.split(model)` and donate the cache; they are one compiled function per shape.
@@ -64,16 +65,23 @@ def rope_tables(config: DeepseekV4Config, num_positions: int) -> tuple[jax.Array
 
 
 class MTPBlock(nnx.Module):
-    """The released multi-token-prediction block (`mtp.0`): parameters only.
+    """The released multi-token-prediction block (`mtp.0`), spec 1.7.
 
-    Built so parameter totals and the checkpoint map are complete. Its forward is not
-    implemented here: in this project the DSpark drafter takes MTP's role (see
-    docs/deepseek_v4.md). Attributes: enorm, hnorm `[d]`, e_proj, h_proj `[d, d]`, a
-    window-only non-hash `layer`, its own `hc_head` and `norm` (the LM head is shared).
+    One extra window-only, score-routed V4 block fed with the target's FINAL mHC streams
+    (`X` entering the HC head) of position `p` and the embedding of the token at `p + 1`;
+    its own HC head and final norm, then the target's LM head, predict the token at
+    `p + 2`. Per stream `i`: `input_i = e_proj(enorm(embed(t_{p+1}))) + h_proj(hnorm(X_i))`
+    (the embedding term is broadcast to the n streams; V3 concatenated and used one
+    `eh_proj`). The cached forward and the MTP-1 drafter are in `deepseek_v4_mtp.py`; this
+    class holds the parameters and the per-row math.
+
+    Attributes: enorm, hnorm `[d]`, e_proj, h_proj `[d, d]`, a window-only non-hash
+    `layer`, its own `hc_head` and `norm` (the LM head is shared).
     """
 
     def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs):
         c = config
+        self.eps = c.rms_eps
         self.enorm = norm_weight(rngs, c.hidden_size, c.dtype)
         self.hnorm = norm_weight(rngs, c.hidden_size, c.dtype)
         self.e_proj = kernel(rngs, c.hidden_size, c.hidden_size, c.dtype, c.init_std)
@@ -83,14 +91,65 @@ class MTPBlock(nnx.Module):
                                  norm_eps=c.hc_norm_eps, init_std=c.init_std, rngs=rngs)
         self.norm = norm_weight(rngs, c.hidden_size, c.dtype)
 
+    def inputs(self, streams: jax.Array, embedded: jax.Array) -> jax.Array:
+        """The block's input streams.
+
+        Args:
+          streams: `[..., n, d]` the target's final streams of position p.
+          embedded: `[..., d]` the (target-)embedded token at p + 1.
+        Returns:
+          `[..., n, d]` (streams dtype) `= e_proj(enorm(e)) + h_proj(hnorm(X_i))`.
+        """
+        e = ops.rms_norm(embedded.astype(streams.dtype), self.enorm[...], eps=self.eps)
+        e = jnp.dot(e, self.e_proj[...].astype(e.dtype))
+        h = ops.rms_norm(streams, self.hnorm[...], eps=self.eps)
+        h = jnp.dot(h, self.h_proj[...].astype(h.dtype))
+        return (h + e[..., None, :]).astype(streams.dtype)
+
+    def kv_rows(self, streams: jax.Array, embedded: jax.Array, freqs: jax.Array) -> jax.Array:
+        """The window rows the cached forward would write, without attending.
+
+        `streams [B, S, n, d]`, `embedded [B, S, d]`, freqs `[B, S, R/2, 2]` -> `[B, S, D]`:
+        the block's attention input (mHC pre + `input_layernorm`) through `kv_proj` +
+        `kv_norm` + RoPE, exactly what `Attention.__call__` stores. The MTP-1 drafter's
+        commit needs only these (one block: nothing downstream reads a committed row's
+        output).
+        """
+        x, _, _ = self.layer.attention_input(self.inputs(streams, embedded))
+        return self.layer.self_attn.project_kv(x, freqs)
+
+    def __call__(self, streams: jax.Array, embedded: jax.Array, token_ids: jax.Array,
+                 lc: kvcache.V4LayerCache, ctx: StepContext,
+                 ) -> tuple[jax.Array, kvcache.V4LayerCache]:
+        """Cached block forward: `streams [B, S, n, d]` (target's final streams at the
+        positions `ctx.positions`), `embedded [B, S, d]` and `token_ids [B, S]` of the next
+        tokens, the block's window cache `lc` -> `(output streams [B, S, n, d], lc)`."""
+        return self.layer(self.inputs(streams, embedded), token_ids, lc, ctx)
+
+    def head(self, streams: jax.Array) -> jax.Array:
+        """`[..., n, d]` -> `[..., d]`: own HC head and final norm (then the shared LM head)."""
+        return ops.rms_norm(self.hc_head(streams), self.norm[...], eps=self.eps)
+
 
 class DeepseekV4(nnx.Module):
     """The V4 target (see module docstring). Parameter paths follow HF (`embed_tokens`,
-    `layers.{i}.*`, `hc_head`, `norm`, `lm_head`, `mtp`)."""
+    `layers.{i}.*`, `hc_head`, `norm`, `lm_head`, `mtp`).
 
-    def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs):
+    `capture_streams` (a static attribute; may be set after construction, e.g. on a loaded
+    model, before `nnx.split`): when true, `__call__`'s `hiddens` gain the n final mHC
+    streams (`X` entering the HC head) after the C captures, `[B, S, C + n, d]` with
+    `hiddens[:, :, C + i]` = stream i. This is how the MTP drafter
+    (`deepseek_v4_mtp.MTPDrafter`) receives them through the engine, whose only channel
+    from the target forward to a drafter is `hiddens`. The mean over the streams (a
+    capture of layer `num_layers`) is not enough: the MTP block normalises and projects
+    every stream on its own. `forward_streams` returns the streams directly.
+    """
+
+    def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs,
+                 capture_streams: bool = False):
         c = config
         self.config = c
+        self.capture_streams = bool(capture_streams)
         self.embed_tokens = nnx.Param(normal(rngs, (c.vocab_size, c.hidden_size), 1.0, c.dtype))
         self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_layers)])
         self.hc_head = HyperHead(c.hidden_size, hc_mult=c.hc_mult, eps=c.hc_eps,
@@ -129,17 +188,13 @@ class DeepseekV4(nnx.Module):
         """The LM head alone (no HC head, no final norm): `f32[..., V]` logits of `h [..., d]`."""
         return jnp.dot(h, self.lm_head[...].astype(h.dtype), preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens: jax.Array, cache: kvcache.DeepseekV4Cache, *,
-                 slots: jax.Array, starts: jax.Array, lengths: jax.Array,
-                 ) -> tuple[jax.Array, jax.Array, kvcache.DeepseekV4Cache]:
-        """One forward over `S` rows per request.
+    def forward_streams(self, tokens: jax.Array, cache: kvcache.DeepseekV4Cache, *,
+                        slots: jax.Array, starts: jax.Array, lengths: jax.Array,
+                        ) -> tuple[jax.Array, jax.Array, kvcache.DeepseekV4Cache]:
+        """`__call__` without the head: `(streams [B, S, n, d], hiddens [B, S, C, d], cache)`.
 
-        Args:
-          tokens: int32 `[B, S]`; cache: from `init_cache`; slots, starts, lengths:
-          int32 `[B]`.
-        Returns:
-          `logits f32 [B, S, V]`, `hiddens [B, S, C, d]` (C = len(capture_layers)), and
-          the updated cache (`cache.lengths[slots] = starts + lengths`).
+        `streams` are the final mHC streams (entering the HC head; the MTP block's input);
+        `hiddens` are the C captures only (never the streams). Arguments as `__call__`.
         """
         c = self.config
         if tokens.ndim != 2:
@@ -166,14 +221,37 @@ class DeepseekV4(nnx.Module):
             layer_caches.append(lc)
         if c.num_layers in c.capture_layers:
             captured[c.num_layers] = streams.astype(jnp.float32).mean(axis=2).astype(c.dtype)
-        h = ops.rms_norm(self.hc_head(streams), self.norm[...], eps=c.rms_eps)
-        logits = self.unembed(h)
         if c.capture_layers:
             hiddens = jnp.stack([captured[i] for i in c.capture_layers], axis=2)
         else:
             hiddens = jnp.zeros((b, s, 0, c.hidden_size), c.dtype)
         lengths_out = cache.lengths.at[ctx.slots].set(ctx.starts + ctx.lengths)
         cache = dataclasses.replace(cache, layers=tuple(layer_caches), lengths=lengths_out)
+        return streams, hiddens, cache
+
+    def logits_from_streams(self, streams: jax.Array) -> jax.Array:
+        """HC head, final norm, LM head: `[..., n, d]` -> `f32[..., V]`."""
+        h = ops.rms_norm(self.hc_head(streams), self.norm[...], eps=self.config.rms_eps)
+        return self.unembed(h)
+
+    def __call__(self, tokens: jax.Array, cache: kvcache.DeepseekV4Cache, *,
+                 slots: jax.Array, starts: jax.Array, lengths: jax.Array,
+                 ) -> tuple[jax.Array, jax.Array, kvcache.DeepseekV4Cache]:
+        """One forward over `S` rows per request.
+
+        Args:
+          tokens: int32 `[B, S]`; cache: from `init_cache`; slots, starts, lengths:
+          int32 `[B]`.
+        Returns:
+          `logits f32 [B, S, V]`, `hiddens [B, S, C, d]` (C = len(capture_layers); with
+          `capture_streams`, `[B, S, C + n, d]`, the final streams appended), and the
+          updated cache (`cache.lengths[slots] = starts + lengths`).
+        """
+        streams, hiddens, cache = self.forward_streams(tokens, cache, slots=slots,
+                                                       starts=starts, lengths=lengths)
+        logits = self.logits_from_streams(streams)
+        if self.capture_streams:
+            hiddens = jnp.concatenate([hiddens, streams.astype(hiddens.dtype)], axis=2)
         return logits, hiddens, cache
 
 
