@@ -50,6 +50,7 @@ from jax_dspark import ops
 from jax_dspark.ops.sampling import SamplingParams
 from jax_dspark.spec.propose import Proposal, propose
 
+from . import _validate
 from .dspark_heads import ConfidenceHead, MarkovHead
 from .llama import gqa_attention, rope_half_split
 
@@ -97,16 +98,10 @@ class DSparkConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_context_layers", "block_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: must be a positive int (got {value!r})")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: must divide num_heads={self.num_heads} (got {self.num_kv_heads!r})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim: must be even for RoPE (got {self.head_dim!r})")
+        _validate.positive_ints(self, ("vocab_size", "hidden_size", "num_context_layers", "block_size",
+                                       "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                       "intermediate_size"))
+        _validate.grouped_query_heads(self.num_heads, self.num_kv_heads, self.head_dim)
         if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
             raise ValueError(f"markov_rank: must be an int >= 0 (got {self.markov_rank!r})")
         if not 0 <= self.noise_token_id < self.vocab_size:

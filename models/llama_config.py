@@ -13,6 +13,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from . import _validate
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -53,16 +55,9 @@ class LlamaConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: must be a positive int (got {value!r})")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: must divide num_heads={self.num_heads} (got {self.num_kv_heads!r})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim: must be even for RoPE pairs (got {self.head_dim!r})")
+        _validate.positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                                       "num_kv_heads", "head_dim", "intermediate_size", "page_size"))
+        _validate.grouped_query_heads(self.num_heads, self.num_kv_heads, self.head_dim)
         if not isinstance(self.capture_layers, tuple) or any(
                 not isinstance(c, int) or not 0 <= c <= self.num_layers for c in self.capture_layers):
             raise ValueError(

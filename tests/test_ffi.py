@@ -1,7 +1,6 @@
 """Kernel library plumbing that needs no GPU: dispatch switch, FFI API-version rule, handler
 metadata, split-K choice and the wrappers' fallbacks."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

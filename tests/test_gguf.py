@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
