@@ -50,3 +50,13 @@ def test_byte_mapping_wraps_into_the_vocabulary_and_round_trips_ascii():
     assert byte_decode(byte_encode("plain ascii", 128)) == "plain ascii"
     with pytest.raises(ValueError, match="vocab_size"):
         byte_encode("x", 0)
+
+
+def test_cli_without_a_prompt_uses_the_built_in_default(capsys):
+    from jax_dspark.commands.generate import DEFAULT_PROMPT
+
+    code = cli.main(["generate", "--target", "tiny-llama", "--drafter", "none", "--max-new-tokens", "2",
+                     "--json", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["prompts"] == [DEFAULT_PROMPT]

