@@ -72,10 +72,7 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """`f32[..., V]` distribution the sampler draws from (one-hot argmax when greedy)."""
-    l = process_logits(logits, params)
-    if params.greedy:
-        return jax.nn.one_hot(jnp.argmax(l, axis=-1), l.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(l, axis=-1)
+    return draw_from_processed(None, process_logits(logits, params), params)[1]
 
 
 def gumbel_sample(key: jax.Array, logits: jax.Array) -> jax.Array:
@@ -86,7 +83,22 @@ def gumbel_sample(key: jax.Array, logits: jax.Array) -> jax.Array:
 
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
     """`int32[...]` token per row: argmax when greedy, else a Gumbel draw from the processed logits."""
-    l = process_logits(logits, params)
+    return draw_from_processed(key, process_logits(logits, params), params)[0]
+
+
+def draw_from_processed(
+    key: jax.Array | None, processed: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array]:
+    """`(token int32[...], q f32[..., V])` from logits already through `process_logits`.
+
+    The token is a draw from q exactly; callers that need both (the drafter's Markov chain)
+    process once instead of sorting twice for top-p. `key` may be None when only q is
+    used (the token is then the argmax, which is the draw only for greedy params).
+    """
     if params.greedy:
-        return jnp.argmax(l, axis=-1).astype(jnp.int32)
-    return gumbel_sample(key, l)
+        token = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+        return token, jax.nn.one_hot(token, processed.shape[-1], dtype=jnp.float32)
+    q = jax.nn.softmax(processed, axis=-1)
+    if key is None:
+        return jnp.argmax(processed, axis=-1).astype(jnp.int32), q
+    return gumbel_sample(key, processed), q

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dspark.ops import _checks
-from jax_dspark.ops.sampling import SamplingParams, gumbel_sample, process_logits
+from jax_dspark.ops.sampling import SamplingParams, draw_from_processed, process_logits
 from jax_dspark.models.dspark_heads import ConfidenceHead, MarkovHead
 
 
@@ -119,15 +119,8 @@ def propose(
         z = base_k.astype(jnp.float32)
         if markov is not None:
             z = z + bias(prev)
-        # One process_logits serves both the draw and q: this is `ops.sampling.sample`
-        # and `ops.sampling.probabilities` fused, so the token is exactly a draw from q.
-        processed = process_logits(z, params)
-        if params.greedy:
-            x = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-            q = jax.nn.one_hot(x, v, dtype=jnp.float32)
-        else:
-            x = gumbel_sample(key_k, processed)
-            q = jax.nn.softmax(processed, axis=-1)
+        # One process_logits serves both the draw and q, so the token is exactly a draw from q.
+        x, q = draw_from_processed(key_k, process_logits(z, params), params)
         return x, (x, q, z)
 
     keys = jax.random.split(key, g)
