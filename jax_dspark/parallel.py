@@ -122,12 +122,12 @@ LLAMA_RULES = ShardingRules((
 
 
 def rules_for(model) -> ShardingRules:
-    """The sharding table of a target or drafter (V4 family by its `embed_tokens` naming)."""
-    from flax import nnx
-
-    names = {"/".join(_key_name(k) for k in path) for path, _ in
-             jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
-    return V4_RULES if any(n.startswith("embed_tokens") or "/self_attn/" in n for n in names) else LLAMA_RULES
+    """The sharding table a model names with its `sharding_family` ("v4" or "llama")."""
+    family = getattr(model, "sharding_family", None)
+    tables = {"v4": V4_RULES, "llama": LLAMA_RULES}
+    if family not in tables:
+        raise ValueError(f"model: {type(model).__name__} names no sharding family in {sorted(tables)} (got {family!r})")
+    return tables[family]
 
 
 def shard_model(model, mesh: Mesh) -> None:

@@ -145,6 +145,9 @@ class DeepseekV4(nnx.Module):
     every stream on its own. `forward_streams` returns the streams directly.
     """
 
+    #: which `jax_dspark.parallel` sharding table places this model's parameters
+    sharding_family = "v4"
+
     def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs,
                  capture_streams: bool = False):
         c = config

@@ -240,6 +240,9 @@ class DSparkDrafter(nnx.Module):
     K/V. The confidence head reads the post-final-norm hidden state (DeepSpec's choice).
     """
 
+    #: which `jax_dspark.parallel` sharding table places this model's parameters
+    sharding_family = "llama"
+
     def __init__(self, config: DSparkConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, DSparkConfig):
             raise ValueError(f"config: must be a DSparkConfig (got {type(config).__name__})")

@@ -136,6 +136,9 @@ class DSparkV4Drafter(nnx.Module):
     markov_w{1,2}`), `confidence` (`confidence_head.proj`, no bias).
     """
 
+    #: which `jax_dspark.parallel` sharding table places this model's parameters
+    sharding_family = "v4"
+
     def __init__(self, config: DSparkV4Config, *, rngs: nnx.Rngs):
         if not isinstance(config, DSparkV4Config):
             raise ValueError(f"config: must be a DSparkV4Config (got {type(config).__name__})")

@@ -177,6 +177,9 @@ class Llama(nnx.Module):
     when untied, and `layers.<name>` for the stacked block weights in `LAYER_PARAMS`.
     """
 
+    #: which `jax_dspark.parallel` sharding table places this model's parameters
+    sharding_family = "llama"
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"config: must be a LlamaConfig (got {type(config).__name__})")
