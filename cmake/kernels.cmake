@@ -14,13 +14,19 @@ set(JAX_DSPARK_XLA_FFI_INCLUDE "" CACHE PATH "directory holding xla/ffi/api/ffi.
 
 find_package(Python 3.11 REQUIRED COMPONENTS Interpreter)
 
-if(NOT JAX_DSPARK_XLA_FFI_INCLUDE)
-  # find_spec does not import jaxlib (no side effects, works without a GPU).
+# <directory of the installed Python package PACKAGE>/SUBDIR, or "" when it is not installed.
+# find_spec does not import the package (no side effects, works without a GPU).
+function(jax_dspark_package_dir package subdir out)
   execute_process(
     COMMAND "${Python_EXECUTABLE}" -c
-            "import importlib.util, os; s = importlib.util.find_spec('jaxlib'); print(os.path.join(list(s.submodule_search_locations)[0], 'include') if s else '')"
-    OUTPUT_VARIABLE JAX_DSPARK_XLA_FFI_INCLUDE
-    OUTPUT_STRIP_TRAILING_WHITESPACE)
+            "import importlib.util, os; s = importlib.util.find_spec('${package}'); print(os.path.join(list(s.submodule_search_locations)[0], '${subdir}') if s else '')"
+    OUTPUT_VARIABLE _dir
+    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  set(${out} "${_dir}" PARENT_SCOPE)
+endfunction()
+
+if(NOT JAX_DSPARK_XLA_FFI_INCLUDE)
+  jax_dspark_package_dir(jaxlib include JAX_DSPARK_XLA_FFI_INCLUDE)
 endif()
 if(NOT EXISTS "${JAX_DSPARK_XLA_FFI_INCLUDE}/xla/ffi/api/ffi.h")
   if(JAX_DSPARK_CUDA STREQUAL "ON")

@@ -14,12 +14,7 @@ endif()
 
 set(JAX_DSPARK_CUTLASS_DIR "" CACHE PATH "CUTLASS source tree (default: the nvidia-cutlass wheel of the build's Python)")
 if(NOT JAX_DSPARK_CUTLASS_DIR)
-  # find_spec does not import the package (no side effects, no GPU needed).
-  execute_process(
-    COMMAND "${Python_EXECUTABLE}" -c
-            "import importlib.util, os; s = importlib.util.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source') if s else '')"
-    OUTPUT_VARIABLE JAX_DSPARK_CUTLASS_DIR
-    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  jax_dspark_package_dir(cutlass_library source JAX_DSPARK_CUTLASS_DIR)
 endif()
 if(NOT EXISTS "${JAX_DSPARK_CUTLASS_DIR}/include/cutlass/cutlass.h")
   if(JAX_DSPARK_CUDA STREQUAL "ON")
