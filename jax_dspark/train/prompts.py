@@ -48,7 +48,15 @@ _TOPICS = ["photosynthesis", "compound interest", "the water cycle", "binary sea
            "supply and demand", "vaccines", "black holes", "recursion", "the French Revolution",
            "machine learning", "climate change", "the immune system", "prime numbers", "electric cars",
            "the stock market", "sleep", "volcanoes", "democracy", "the internet", "gravity", "DNA",
-           "renewable energy", "inflation", "the Roman Empire", "hash tables", "bees", "coffee"]
+           "renewable energy", "inflation", "the Roman Empire", "hash tables", "bees", "coffee",
+           "the printing press", "coral reefs", "public transport", "sorting algorithms", "antibiotics",
+           "the solar system", "budgeting", "earthquakes", "the Silk Road", "neural networks",
+           "composting", "the Moon landing", "rainforests", "encryption", "the human heart",
+           "time zones", "probability", "the Renaissance", "ocean tides", "recycling", "bread baking",
+           "operating systems", "chess openings", "the Olympic Games", "memory and learning",
+           "glaciers", "taxes", "spreadsheets", "bird migration", "unit testing", "music theory",
+           "the Industrial Revolution", "nutrition", "version control", "lightning", "mushrooms",
+           "photography", "databases", "first aid", "the metric system", "magnets", "urban gardening"]
 _PAIRS = [("cats", "dogs"), ("Python", "JavaScript"), ("tea", "coffee"), ("trains", "planes"),
           ("renting", "buying a home"), ("email", "phone calls"), ("solar power", "wind power"),
           ("books", "films"), ("cities", "the countryside"), ("TCP", "UDP"), ("lists", "tuples")]
@@ -110,11 +118,12 @@ def _stdlib_functions(limit_files: int, seed: int) -> tuple[tuple[str, str, str]
 
 
 def code_prompts(rng: random.Random, n: int) -> Iterator[str]:
-    funcs = list(_stdlib_functions(150, rng.randrange(2**31)))
+    funcs = list(_stdlib_functions(400, rng.randrange(2**31)))
     rng.shuffle(funcs)
-    for i in range(min(n, len(funcs))):
-        sig, doc, source = funcs[i]
-        if i % 2 == 0:
+    # Each function first as one kind of prompt, then (once all are used) as the other kind.
+    for i in range(min(n, 2 * len(funcs))):
+        sig, doc, source = funcs[i % len(funcs)]
+        if (i + i // len(funcs)) % 2 == 0:
             yield f"Write a Python function `{sig}`. It should do the following: {doc}"
         else:
             yield f"Explain what this Python function does:\n```python\n{source}\n```"
