@@ -3,6 +3,10 @@
 // own, and launches. No allocation, no synchronisation: the split-K workspace is an output
 // buffer that XLA assigns with the executable, so the call can be captured into a command
 // buffer and replayed.
+//
+// Either pool may be FP8 (attributes main_fp8 / extra_fp8): its rows buffer is then e4m3
+// [N, 448] and the pool's RoPE dims (bf16 [N, 64]) and scale bytes (uint8 [N, 8]) come as
+// their own operands; for a bf16 pool those two operands are unused (pass empty arrays).
 #include <cstdint>
 #include <string>
 
@@ -25,9 +29,11 @@ ffi::Error bad(const std::string& msg) {
 }
 
 ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num_splits, int32_t has_sink,
-                                   int32_t rope_dim, ffi::AnyBuffer q, ffi::AnyBuffer main_rows,
-                                   ffi::AnyBuffer main_idx, ffi::AnyBuffer extra_rows, ffi::AnyBuffer extra_idx,
-                                   ffi::AnyBuffer sink, ffi::AnyBuffer inv_rope, ffi::Result<ffi::AnyBuffer> out,
+                                   int32_t rope_dim, int32_t main_fp8, int32_t extra_fp8, ffi::AnyBuffer q,
+                                   ffi::AnyBuffer main_rows, ffi::AnyBuffer main_idx, ffi::AnyBuffer extra_rows,
+                                   ffi::AnyBuffer extra_idx, ffi::AnyBuffer sink, ffi::AnyBuffer inv_rope,
+                                   ffi::AnyBuffer main_rope, ffi::AnyBuffer main_scale, ffi::AnyBuffer extra_rope,
+                                   ffi::AnyBuffer extra_scale, ffi::Result<ffi::AnyBuffer> out,
                                    ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace) {
   using DT = ffi::DataType;
   const int64_t D = jds::kAttnHeadDim;
@@ -41,14 +47,42 @@ ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num
       return bad(std::string(name) + " must be bf16 [N, 512], got " + dims_str(d));
     return ffi::Error::Success();
   };
+  // An FP8 pool: e4m3 [N, 448] + bf16 [N, 64] + uint8 [N, 8], each row 16-byte aligned for
+  // the bulk copies (8-byte for the scale load), so the base addresses must be too.
+  auto check_fp8_pool = [&](ffi::AnyBuffer nope, ffi::AnyBuffer rope, ffi::AnyBuffer scales,
+                            const std::string& name) -> ffi::Error {
+    auto dn = nope.dimensions(), dr = rope.dimensions(), ds = scales.dimensions();
+    if (nope.element_type() != DT::F8E4M3FN || dn.size() != 2 || dn[1] != jds::kAttnNopeDim)
+      return bad(name + "_rows (FP8) must be f8e4m3fn [N, 448], got " + dims_str(dn));
+    const int64_t n = dn[0];
+    if (rope.element_type() != DT::BF16 || dr.size() != 2 || dr[0] != n || dr[1] != jds::kAttnRopeDim)
+      return bad(name + "_rope must be bf16 [N = " + std::to_string(n) + ", 64], got " + dims_str(dr));
+    if (scales.element_type() != DT::U8 || ds.size() != 2 || ds[0] != n || ds[1] != jds::kAttnScaleBytes)
+      return bad(name + "_scale must be uint8 [N = " + std::to_string(n) + ", 8], got " + dims_str(ds));
+    if (n > 0 && (reinterpret_cast<uintptr_t>(nope.untyped_data()) % 16 != 0 ||
+                  reinterpret_cast<uintptr_t>(rope.untyped_data()) % 16 != 0 ||
+                  reinterpret_cast<uintptr_t>(scales.untyped_data()) % 8 != 0))
+      return bad(name + " FP8 pool buffers must be 16-byte (scale: 8-byte) aligned");
+    return ffi::Error::Success();
+  };
   auto check_idx = [&](ffi::AnyBuffer idx, const char* name) -> ffi::Error {
     auto d = idx.dimensions();
     if (idx.element_type() != DT::S32 || d.size() != 3 || d[0] != B || d[1] != S)
       return bad(std::string(name) + " must be int32 [B, S, K] matching q, got " + dims_str(d));
     return ffi::Error::Success();
   };
-  if (auto e = check_rows(main_rows, "main_rows"); e.failure()) return e;
-  if (auto e = check_rows(extra_rows, "extra_rows"); e.failure()) return e;
+  if (main_fp8 != 0 && main_fp8 != 1) return bad("main_fp8 must be 0 or 1, got " + std::to_string(main_fp8));
+  if (extra_fp8 != 0 && extra_fp8 != 1) return bad("extra_fp8 must be 0 or 1, got " + std::to_string(extra_fp8));
+  if (main_fp8) {
+    if (auto e = check_fp8_pool(main_rows, main_rope, main_scale, "main"); e.failure()) return e;
+  } else if (auto e = check_rows(main_rows, "main_rows"); e.failure()) {
+    return e;
+  }
+  if (extra_fp8) {
+    if (auto e = check_fp8_pool(extra_rows, extra_rope, extra_scale, "extra"); e.failure()) return e;
+  } else if (auto e = check_rows(extra_rows, "extra_rows"); e.failure()) {
+    return e;
+  }
   if (auto e = check_idx(main_idx, "main_idx"); e.failure()) return e;
   if (auto e = check_idx(extra_idx, "extra_idx"); e.failure()) return e;
   const int64_t K = main_idx.dimensions()[2], K2 = extra_idx.dimensions()[2];
@@ -94,6 +128,12 @@ ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num
   p.num_splits = num_splits;
   p.rope_dim = rope_dim;
   p.scale = scale;
+  p.main_fp8 = main_fp8;
+  p.extra_fp8 = extra_fp8;
+  p.main_rope = main_fp8 ? main_rope.untyped_data() : nullptr;
+  p.main_scale = main_fp8 ? static_cast<const uint8_t*>(main_scale.untyped_data()) : nullptr;
+  p.extra_rope = extra_fp8 ? extra_rope.untyped_data() : nullptr;
+  p.extra_scale = extra_fp8 ? static_cast<const uint8_t*>(extra_scale.untyped_data()) : nullptr;
   const cudaError_t err = jds::run_sparse_sink_attention(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_dspark_sparse_sink_attention: ") + cudaGetErrorString(err));
@@ -109,6 +149,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsparkSparseSinkAttention, SparseSinkAttentionI
                                   .Attr<int32_t>("num_splits")
                                   .Attr<int32_t>("has_sink")
                                   .Attr<int32_t>("rope_dim")
+                                  .Attr<int32_t>("main_fp8")
+                                  .Attr<int32_t>("extra_fp8")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -116,6 +158,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsparkSparseSinkAttention, SparseSinkAttentionI
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // main_rope   (FP8 main pool)
+                                  .Arg<ffi::AnyBuffer>()  // main_scale
+                                  .Arg<ffi::AnyBuffer>()  // extra_rope  (FP8 extra pool)
+                                  .Arg<ffi::AnyBuffer>()  // extra_scale
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),

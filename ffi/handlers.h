@@ -6,8 +6,9 @@
 
 extern "C" {
 
-// Sparse sink attention: q, main_rows, main_idx, extra_rows, extra_idx, sink, inv_rope ->
-// out, lse, workspace. Attributes: scale (f32), num_splits, has_sink, rope_dim (i32).
+// Sparse sink attention: q, main_rows, main_idx, extra_rows, extra_idx, sink, inv_rope,
+// main_rope, main_scale, extra_rope, extra_scale -> out, lse, workspace. Attributes: scale
+// (f32), num_splits, has_sink, rope_dim, main_fp8, extra_fp8 (i32).
 XLA_FFI_Error* JaxDsparkSparseSinkAttention(XLA_FFI_CallFrame* call_frame);
 
 // RMSNorm + RoPE prep: x, weight, freqs -> y. Attributes: eps (f32), inverse, rope_dim (i32).

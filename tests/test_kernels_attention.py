@@ -2,7 +2,12 @@
 
 Fresh random inputs per case; outputs land in NaN-poisoned buffers (donated into the call),
 so an element the kernel forgets to write fails loudly. Error metric: ||out - ref|| / ||ref||
-over bf16 outputs, tolerance 1e-2 (bf16 probabilities and output rounding give ~3e-3).
+over bf16 outputs, tolerance 1e-2 (bf16 probabilities and output rounding give ~3e-3);
+lse within 2e-3 (absolute and relative). FP8 pools (ops.kv_fp8) are held to the same
+tolerance against the reference on their dequantised rows, and to 1e-5 (lse: 1e-6) against
+the kernel run on those dequantised bf16 rows: the loader's expansion is exact and the MMA
+pipeline is the same code, so the two should agree to the bit; the slack only allows for
+the compiler scheduling the two instantiations' float ops differently.
 """
 
 import jax
@@ -11,6 +16,7 @@ import numpy as np
 import pytest
 
 from jax_dspark import _ffi, ops
+from jax_dspark.ops import kv_fp8
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
@@ -183,6 +189,123 @@ def test_handler_rejects_a_short_workspace_with_an_ffi_error():
         out = call(
             args["q"], args["main_rows"], args["main_idx"], jnp.zeros((0, D), jnp.bfloat16),
             jnp.zeros((1, 1, 0), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32),
+            *_no_fp8_operands(), *_no_fp8_operands(),
             scale=np.float32(0.1), num_splits=np.int32(4), has_sink=np.int32(0), rope_dim=np.int32(0),
+            main_fp8=np.int32(0), extra_fp8=np.int32(0),
+        )
+        jax.block_until_ready(out)
+
+
+# ------------------------------------------------------------------------------------------
+# FP8 row pools (448 e4m3 + 64 bf16 + UE8M0 scale per 64): expanded to bf16 in the loader
+# ------------------------------------------------------------------------------------------
+
+
+def _no_fp8_operands():
+    return jnp.zeros((0, 64), jnp.bfloat16), jnp.zeros((0, 8), jnp.uint8)
+
+
+def to_fp8(rows, rng):
+    """FP8 pool of `rows` with each 64-block scaled by its own power of two (so every scale
+    byte matters), quantised by the reference quantiser."""
+    n = rows.shape[0]
+    mult = np.exp2(rng.integers(-3, 4, (n, D // 64))).repeat(64, axis=1)
+    return kv_fp8.quantize_kv_rows(rows.astype(jnp.float32) * mult)
+
+
+def fp8_case(seed, main_fp8=True, extra_fp8=False, **kw):
+    args, rng = make_case(seed, **kw)
+    if main_fp8:
+        args["main_rows"] = to_fp8(args["main_rows"], rng)
+    if extra_fp8:
+        args["extra_rows"] = to_fp8(args["extra_rows"], rng)
+    return args, rng
+
+
+def dequantised(args):
+    return {k: kv_fp8.dequantize_kv_rows(v) if kv_fp8.is_fp8_rows(v) else v for k, v in args.items()}
+
+
+def check_fp8(args, **kw):
+    """Reference tolerance, and (near-)identical to the kernel over the dequantised bf16 rows."""
+    out, lse = check(args, **kw)
+    out_bf16, lse_bf16 = run_kernel(dequantised(args), **kw)
+    assert rel_err(out, out_bf16) < 1e-5
+    lse, lse_bf16 = np.asarray(lse), np.asarray(lse_bf16)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_bf16))
+    finite = np.isfinite(lse_bf16)
+    np.testing.assert_allclose(lse[finite], lse_bf16[finite], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("h", [64, 128])
+def test_fp8_main_pool_with_bf16_extra_pool(h):
+    args, rng = fp8_case(20 + h, b=2, s=3, h=h, k=150, k2=9, n2=40)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((2, 3, 32, 2)), jnp.float32)
+    check_fp8(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
+
+
+def test_fp8_extra_pool_with_bf16_main_pool():
+    args, rng = fp8_case(21, main_fp8=False, extra_fp8=True, b=2, s=2, h=64, k=70, k2=60, n2=80)
+    check_fp8(args, sink=jnp.asarray(rng.standard_normal(64), jnp.float32), scale=512**-0.5)
+
+
+def test_fp8_both_pools_mixed_in_one_tile():
+    args, rng = fp8_case(22, extra_fp8=True, b=3, s=1, h=64, k=40, k2=50, n2=70)
+    check_fp8(args, scale=512**-0.5)
+
+
+@pytest.mark.parametrize("k", [1, 65, 129])
+def test_fp8_list_lengths_around_the_tile_size_with_masked_rows(k):
+    args, _ = fp8_case(30 + k, b=2, s=2, h=64, k=k, drop=0.3)
+    check_fp8(args, scale=0.05)
+
+
+def test_fp8_long_lists_split_over_ctas_combine_exactly():
+    args, rng = fp8_case(23, extra_fp8=True, b=2, s=1, h=64, k=2500, n=4000, k2=300, n2=500)
+    rope = jnp.asarray(rng.standard_normal((2, 1, 32, 2)), jnp.float32)
+    check_fp8(args, sink=jnp.asarray(rng.standard_normal(64) + 3.0, jnp.float32), scale=512**-0.5, inverse_rope=rope)
+
+
+def test_fp8_all_masked_rows_give_zeros():
+    args, _ = fp8_case(24, b=2, s=1, h=64, k=200, drop=1.0)
+    out, lse = run_kernel(args, scale=0.1)
+    assert np.all(np.asarray(out, np.float32) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_fp8_out_of_range_indices_under_jit_are_masked_not_read():
+    args, _ = fp8_case(25, b=2, s=2, h=64, k=90, n=50)
+    idx = np.asarray(args["main_idx"]).copy()
+    idx[0, 0, :5] = [50, 10**9, -2, -(10**9), 49]
+    args["main_idx"] = jnp.asarray(idx)
+
+    def f(a):
+        with ops.force("kernel"):
+            return ops.sparse_sink_attention(**a, scale=0.05)
+
+    out = jax.jit(f)(args)
+    masked = dict(args, main_idx=jnp.asarray(np.where((idx < 0) | (idx >= 50), -1, idx)))
+    ref_out, _ = reference(masked, scale=0.05)
+    assert rel_err(out, ref_out) < TOL
+
+
+def test_handler_rejects_a_wrong_fp8_scale_shape_with_an_ffi_error():
+    args, _ = fp8_case(26, b=1, s=1, h=64, k=64)
+    pool = args["main_rows"]
+    call = jax.ffi.ffi_call(
+        "jax_dspark_sparse_sink_attention",
+        (
+            jax.ShapeDtypeStruct((1, 1, 64, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 1, 64), jnp.float32),
+            jax.ShapeDtypeStruct((1,), jnp.float32),
+        ),
+    )
+    with pytest.raises(Exception, match="main_scale"):
+        out = call(
+            args["q"], pool.nope, args["main_idx"], jnp.zeros((0, D), jnp.bfloat16),
+            jnp.zeros((1, 1, 0), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32),
+            pool.rope, pool.scale[:, :7], *_no_fp8_operands(),
+            scale=np.float32(0.1), num_splits=np.int32(1), has_sink=np.int32(0), rope_dim=np.int32(0),
+            main_fp8=np.int32(1), extra_fp8=np.int32(0),
         )
         jax.block_until_ready(out)

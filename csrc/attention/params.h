@@ -11,6 +11,12 @@ constexpr int kAttnHeadDim = 512;     // D: one shared key=value row per token
 constexpr int kAttnHeadsPerCta = 64;  // query heads one CTA computes against a row tile
 constexpr int kAttnKeysPerTile = 64;  // rows gathered per pipeline stage
 constexpr int kAttnMaxSplits = 32;    // split-K partials a combine can merge
+// FP8 rows (DeepSeek-V4 MODEL1): 448 e4m3 "nope" dims with one UE8M0 exponent per 64, then
+// 64 bf16 RoPE dims. jax_dspark/ops/kv_fp8.py holds the format; 584 bytes per row.
+constexpr int kAttnNopeDim = 448;
+constexpr int kAttnRopeDim = kAttnHeadDim - kAttnNopeDim;
+constexpr int kAttnScaleBlock = 64;
+constexpr int kAttnScaleBytes = 8;  // 7 exponents + 1 pad byte (one aligned 8-byte load)
 
 struct SparseSinkAttentionParams {
   const void* q;             // bf16 [B, S, H, D]
@@ -34,6 +40,14 @@ struct SparseSinkAttentionParams {
   int num_splits;            // CTAs sharing one (request, row, head block) list
   int rope_dim;              // R: last R dims rotated back in the epilogue (0 = none)
   float scale;               // softmax scale applied to q . row
+  // FP8 pools: when main_fp8 (extra_fp8), main_rows (extra_rows) is e4m3 [n, 448] and the
+  // RoPE dims / scales come from the arrays below; otherwise those are unused.
+  int main_fp8;
+  int extra_fp8;
+  const void* main_rope;      // bf16 [n_main, 64]
+  const uint8_t* main_scale;  // uint8 [n_main, 8], scale 2^(byte - 127) for nope block byte
+  const void* extra_rope;     // bf16 [n_extra, 64]
+  const uint8_t* extra_scale; // uint8 [n_extra, 8]
 };
 
 // Row tiles of the concatenated list [main | extra] handled by one split.

@@ -11,6 +11,15 @@
 //
 // Index values are checked here: anything outside [0, n) (including -1) is a masked row,
 // never a read, so a bad index cannot read out of bounds.
+//
+// FP8 pools (448 e4m3 dims + 64 bf16 RoPE dims + one power-of-two scale per 64 e4m3 values,
+// params.h) use a second instantiation of the same kernel: the loader bulk-copies the 448
+// e4m3 bytes into the second half of the row's bf16 slot and the RoPE dims to their final
+// place, warp 0 fetches the scales, and all warps expand the e4m3 bytes in place to bf16
+// (exact: 4 significant bits times a power of two) before the unchanged MMA pipeline runs.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cfloat>
 #include <cmath>
 
@@ -44,6 +53,16 @@ constexpr int kOffBar = kOffValid + 16;
 constexpr int kSmemBytes = kOffBar + 5 * 8;
 static_assert(kOffBar % 8 == 0, "mbarriers need 8-byte alignment");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
+// FP8 instantiation only: per stage, each row's 8 scale bytes and the masks of FP8 rows.
+constexpr int kOffScale = kSmemBytes;
+constexpr int kOffFp8 = kOffScale + 2 * BK * kAttnScaleBytes;
+constexpr int kSmemBytesFp8 = kOffFp8 + 4 * 4;
+constexpr int kFp8CopyBytes = kAttnNopeDim + 2 * kAttnRopeDim;  // 576 bytes bulk-copied per FP8 row
+constexpr int kNopeChunks = kAttnNopeDim / 16;                   // 28 lanes expand 16 e4m3 bytes each
+static_assert(kOffScale % 8 == 0, "scale rows are stored as 8-byte words");
+static_assert(kSmemBytesFp8 <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
+static_assert(kAttnNopeDim % 16 == 0 && kAttnNopeDim % kAttnScaleBlock == 0 && kAttnScaleBlock % 16 == 0,
+              "FP8 nope bytes are expanded in 16-byte chunks within one scale block");
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -132,6 +151,166 @@ __device__ __forceinline__ void produce_tile(const SparseSinkAttentionParams& p,
   if (ok[1]) bulk_copy_g2s(stage_base + (lane + 32) * kRowStride, src[1], kRowBytes, &bar_full[stage]);
 }
 
+// Orders this thread's earlier generic-proxy shared-memory writes before later bulk copies
+// (async proxy) into the same bytes.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// produce_tile for the FP8 instantiation: rows of an FP8 pool bring 448 e4m3 bytes (landing
+// at byte 448 of the slot, expanded in place by dequantize_tile) and 128 bytes of bf16 RoPE
+// dims (landing at byte 896, their final place); bf16 rows are copied whole as before. The
+// rows' scale bytes are loaded into `scl` here and stored by finish_tile_fp8 a tile of work
+// later, whose arrival (the second of the full barrier's two) releases them.
+__device__ __forceinline__ void produce_tile_fp8(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
+                                                 int key_begin, int key_end, int lane, const int (&idx)[2],
+                                                 uint2 (&scl)[2]) {
+  uint64_t* bar_full = reinterpret_cast<uint64_t*>(smem + kOffBar) + 1;
+  uint64_t* bar_empty = bar_full + 2;
+  uint32_t* s_valid = reinterpret_cast<uint32_t*>(smem + kOffValid);
+  uint32_t* s_fp8 = reinterpret_cast<uint32_t*>(smem + kOffFp8);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int stage = t & 1;
+  const int j0 = key_begin + t * BK;
+  const uint8_t* src[2];
+  const uint8_t* rope[2];
+  bool ok[2], f8[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = j0 + lane + 32 * half;
+    const bool in_main = j < p.k_main;
+    const int64_t n = in_main ? p.n_main : p.n_extra;
+    ok[half] = j < key_end && idx[half] >= 0 && idx[half] < n;
+    f8[half] = (in_main ? p.main_fp8 : p.extra_fp8) != 0;
+    const int64_t row = ok[half] ? idx[half] : 0;
+    src[half] = static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) +
+                row * (f8[half] ? kAttnNopeDim : kRowBytes);
+    rope[half] = f8[half] ? static_cast<const uint8_t*>(in_main ? p.main_rope : p.extra_rope) + row * (2 * kAttnRopeDim)
+                          : nullptr;
+    scl[half] = make_uint2(0u, 0u);
+    if (ok[half] && f8[half]) {
+      const uint8_t* scale_row = (in_main ? p.main_scale : p.extra_scale) + row * kAttnScaleBytes;
+      scl[half] = __ldg(reinterpret_cast<const uint2*>(scale_row));
+    }
+  }
+  const uint32_t m0 = __ballot_sync(0xffffffffu, ok[0]);
+  const uint32_t m1 = __ballot_sync(0xffffffffu, ok[1]);
+  const uint32_t g0 = __ballot_sync(0xffffffffu, ok[0] && f8[0]);
+  const uint32_t g1 = __ballot_sync(0xffffffffu, ok[1] && f8[1]);
+  if (t >= 2) mbar_wait(&bar_empty[stage], ((t >> 1) - 1) & 1);
+  uint8_t* stage_base = smem + kOffKV + stage * kStageBytes;
+  uint32_t z = ~m0;
+  while (z) {
+    const int r = __ffs(z) - 1;
+    z &= z - 1;
+    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
+    row[lane] = zero;
+    row[lane + 32] = zero;
+  }
+  z = ~m1;
+  while (z) {
+    const int r = 32 + __ffs(z) - 1;
+    z &= z - 1;
+    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
+    row[lane] = zero;
+    row[lane + 32] = zero;
+  }
+  if (lane == 0) {
+    s_valid[stage * 2] = m0;
+    s_valid[stage * 2 + 1] = m1;
+    s_fp8[stage * 2] = g0;
+    s_fp8[stage * 2 + 1] = g1;
+  }
+  __syncwarp();
+  fence_proxy_async_smem();
+  if (lane == 0) {
+    const uint32_t rows = __popc(m0) + __popc(m1), fp8_rows = __popc(g0) + __popc(g1);
+    mbar_arrive_expect_tx(&bar_full[stage], rows * kRowBytes - fp8_rows * (kRowBytes - kFp8CopyBytes));
+  }
+  __syncwarp();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (!ok[half]) continue;
+    uint8_t* slot = stage_base + (lane + 32 * half) * kRowStride;
+    if (f8[half]) {
+      bulk_copy_g2s(slot + kAttnNopeDim, src[half], kAttnNopeDim, &bar_full[stage]);
+      bulk_copy_g2s(slot + 2 * kAttnNopeDim, rope[half], 2 * kAttnRopeDim, &bar_full[stage]);
+    } else {
+      bulk_copy_g2s(slot, src[half], kRowBytes, &bar_full[stage]);
+    }
+  }
+}
+
+// Second arrival on the FP8 instantiation's full barrier: the scale bytes of tile `stage`.
+__device__ __forceinline__ void finish_tile_fp8(uint8_t* smem, int stage, int lane, const uint2 (&scl)[2]) {
+  uint64_t* bar_full = reinterpret_cast<uint64_t*>(smem + kOffBar) + 1;
+  uint2* s_scale = reinterpret_cast<uint2*>(smem + kOffScale) + stage * BK;
+  s_scale[lane] = scl[0];
+  s_scale[lane + 32] = scl[1];
+  __syncwarp();
+  if (lane == 0) mbar_arrive(&bar_full[stage]);
+}
+
+// UE8M0 byte -> 2^(e - 127) as an exact float (e = 0 is the subnormal 2^-127, 255 is inf).
+__device__ __forceinline__ float ue8m0_scale(uint32_t e) {
+  return __int_as_float(e ? int(e << 23) : 0x00400000);
+}
+
+// Two e4m3 values (low byte first) times a power of two, as packed bf16x2. e4m3 -> f16 is
+// exact, the product is exact (power-of-two scale), and so is the rounding to bf16 (4
+// significant bits), barring overflow/underflow of the scale itself.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
+  const __half2 h(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xFFFFu), __NV_E4M3));
+  const float2 f = __half22float2(h);
+  return pack_bf16x2(f.x * s, f.y * s);
+}
+
+// All eight warps expand the tile's FP8 rows in place (warp w: rows 8w..8w+7, two rows per
+// step). Lane l < 28 reads the 16 e4m3 bytes of dims 16l..16l+15 (at byte 448 + 16l of the
+// slot) and, after a warp sync (the writes of lanes 14..27 overlap the bytes being read),
+// writes them as 16 bf16 at byte 32l. Returns whether the tile had FP8 rows (then all
+// threads have synchronised and the stage holds bf16 rows only). Block-uniform branches.
+__device__ __forceinline__ bool dequantize_tile(uint8_t* smem, int stage, int warp, int lane) {
+  const uint32_t* s_fp8 = reinterpret_cast<const uint32_t*>(smem + kOffFp8);
+  if ((s_fp8[stage * 2] | s_fp8[stage * 2 + 1]) == 0u) return false;
+  const uint32_t rows8 = (s_fp8[stage * 2 + (warp >> 2)] >> (8 * (warp & 3))) & 0xFFu;
+  uint8_t* stage_base = smem + kOffKV + stage * kStageBytes;
+  const uint8_t* scales = smem + kOffScale + stage * BK * kAttnScaleBytes;
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    if (((rows8 >> i) & 3u) == 0u) continue;
+    uint4 v[2];
+    float sc[2];
+    bool act[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int row = 8 * warp + i + j;
+      act[j] = lane < kNopeChunks && ((rows8 >> (i + j)) & 1u);
+      if (act[j]) {
+        v[j] = *reinterpret_cast<const uint4*>(stage_base + row * kRowStride + kAttnNopeDim + 16 * lane);
+        sc[j] = ue8m0_scale(scales[row * kAttnScaleBytes + (16 * lane) / kAttnScaleBlock]);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (!act[j]) continue;
+      const uint32_t w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+      uint32_t o[8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        o[2 * k] = e4m3x2_to_bf16x2(w[k], sc[j]);
+        o[2 * k + 1] = e4m3x2_to_bf16x2(w[k] >> 16, sc[j]);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(stage_base + (8 * warp + i + j) * kRowStride + 32 * lane);
+      dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+      dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+  }
+  __syncthreads();
+  return true;
+}
+
 __device__ __forceinline__ void produce_q(const SparseSinkAttentionParams& p, uint8_t* smem, int64_t bs,
                                           int h0, int lane) {
   uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + kOffBar);
@@ -150,6 +329,7 @@ __device__ __forceinline__ void produce_q(const SparseSinkAttentionParams& p, ui
     bulk_copy_g2s(smem + kOffQ + r * kRowStride, q + int64_t(r) * D, kRowBytes, bar_q);
 }
 
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_sink_attention_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -176,8 +356,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     mbar_init(bar_q, 1);
-    mbar_init(&bar_full[0], 1);
-    mbar_init(&bar_full[1], 1);
+    // FP8: the second arrival is finish_tile_fp8's (the scale bytes).
+    mbar_init(&bar_full[0], kFp8 ? 2 : 1);
+    mbar_init(&bar_full[1], kFp8 ? 2 : 1);
     mbar_init(&bar_empty[0], kConsumerThreads);
     mbar_init(&bar_empty[1], kConsumerThreads);
     fence_barrier_init();
@@ -208,20 +389,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* p_store = smem + kOffP + (16 * r + g) * kPStride + (32 * c + 2 * q4) * 2;
 
   int next_idx[2] = {-1, -1};  // warp 0: indices of the next tile to issue
+  uint2 next_scl[2];           // warp 0, FP8: scale bytes of the tile in flight
   if (warp == 0) {
     load_tile_indices(p, 0, key_begin, key_end, bs, lane, next_idx);
     produce_q(p, smem, bs, h0, lane);
-    if (ntiles > 0) produce_tile(p, smem, 0, key_begin, key_end, lane, next_idx);
+    if (ntiles > 0) {
+      if constexpr (kFp8) {
+        produce_tile_fp8(p, smem, 0, key_begin, key_end, lane, next_idx, next_scl);
+        finish_tile_fp8(smem, 0, lane, next_scl);
+      } else {
+        produce_tile(p, smem, 0, key_begin, key_end, lane, next_idx);
+      }
+    }
     if (ntiles > 1) load_tile_indices(p, 1, key_begin, key_end, bs, lane, next_idx);
   }
   mbar_wait(bar_q, 0);
   for (int t = 0; t < ntiles; ++t) {
     const int stage = t & 1;
     if (warp == 0 && t + 1 < ntiles) {
-      produce_tile(p, smem, t + 1, key_begin, key_end, lane, next_idx);
+      if constexpr (kFp8)
+        produce_tile_fp8(p, smem, t + 1, key_begin, key_end, lane, next_idx, next_scl);
+      else
+        produce_tile(p, smem, t + 1, key_begin, key_end, lane, next_idx);
       if (t + 2 < ntiles) load_tile_indices(p, t + 2, key_begin, key_end, bs, lane, next_idx);
     }
     mbar_wait(&bar_full[stage], (t >> 1) & 1);
+    bool expanded = false;
+    if constexpr (kFp8) expanded = dequantize_tile(smem, stage, warp, lane);
     const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kStageBytes);
     const uint32_t vmask = s_valid[stage * 2 + c];
 
@@ -305,7 +499,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         mma_bf16_16816(o[2 * n2 + 1], a, bv[2], bv[3]);
       }
     }
+    if (expanded) fence_proxy_async_smem();  // the expansion's writes before the next bulk copies
     mbar_arrive(&bar_empty[stage]);
+    if constexpr (kFp8) {
+      if (warp == 0 && t + 1 < ntiles) finish_tile_fp8(smem, (t + 1) & 1, lane, next_scl);
+    }
   }
 
   // ------------------------------------ epilogue -----------------------------------------
@@ -418,10 +616,10 @@ __global__ void __launch_bounds__(256) attention_combine_kernel(const SparseSink
   if (lane == 0) p.lse[row] = lse;
 }
 
-}  // namespace
-
-cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+// Launches one instantiation (bf16 pools only, or any FP8 pool).
+template <bool kFp8>
+cudaError_t launch_attention(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  constexpr int smem_bytes = kFp8 ? kSmemBytesFp8 : kSmemBytes;
   // Raising the dynamic shared-memory limit is a per-function host setting, not stream work,
   // so it is safe while XLA captures the stream into a command buffer; do it once per device.
   static bool configured[64] = {};
@@ -429,15 +627,23 @@ cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaSt
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64 || !configured[dev]) {
-    err = cudaFuncSetAttribute(sparse_sink_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kSmemBytes);
+    err = cudaFuncSetAttribute(sparse_sink_attention_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_bytes);
     if (err != cudaSuccess) return err;
     if (dev >= 0 && dev < 64) configured[dev] = true;
   }
   const int nhb = (p.heads + BM - 1) / BM;
   const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
-  sparse_sink_attention_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
+  sparse_sink_attention_kernel<kFp8><<<grid, kThreads, smem_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  cudaError_t err =
+      (p.main_fp8 || p.extra_fp8) ? launch_attention<true>(p, stream) : launch_attention<false>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
   attention_combine_kernel<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);

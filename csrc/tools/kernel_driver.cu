@@ -6,6 +6,7 @@
 //                            rotating pools larger than L2; also the target for ncu
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdio>
@@ -85,6 +86,7 @@ struct AttnCase {
   int B, S, H, K, K2, n_main, n_extra;
   float drop;
   bool sink, rope, bad;
+  bool fp8_main = false, fp8_extra = false;  // pools in the FP8 row form (params.h)
 };
 
 struct AttnData {
@@ -94,7 +96,69 @@ struct AttnData {
   std::vector<float> sink, rope;
 };
 
-static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists) {
+// One pool in the FP8 row form, quantised as ops/kv_fp8.quantize_kv_rows does (exponent
+// ceil(log2(max(amax, 1e-4) / 448)) per 64 nope values, e4m3 round-to-nearest); `rows` is
+// replaced by the dequantised values (exact in bf16), which the CPU reference then reads.
+struct Fp8Pool {
+  std::vector<uint8_t> nope, scale;
+  std::vector<bf16> rope;
+};
+
+static Fp8Pool quantize_pool(std::vector<bf16>& rows, int n) {
+  const int D = jds::kAttnHeadDim, ND = jds::kAttnNopeDim, B = jds::kAttnScaleBlock;
+  Fp8Pool f;
+  f.nope.resize(size_t(n) * ND);
+  f.scale.assign(size_t(n) * jds::kAttnScaleBytes, 0);
+  f.rope.resize(size_t(n) * jds::kAttnRopeDim);
+  for (int r = 0; r < n; ++r) {
+    // Vary the magnitude per block (a power of two) so every scale byte matters.
+    for (int blk = 0; blk < ND / B; ++blk) {
+      const float mult = std::ldexp(1.f, int(rng() % 7) - 3);
+      for (int i = 0; i < B; ++i) {
+        bf16& v = rows[size_t(r) * D + blk * B + i];
+        v = __float2bfloat16(__bfloat162float(v) * mult);
+      }
+    }
+    for (int blk = 0; blk < ND / B; ++blk) {
+      float amax = 0.f;
+      for (int i = 0; i < B; ++i) amax = std::max(amax, std::fabs(__bfloat162float(rows[size_t(r) * D + blk * B + i])));
+      int e2 = 0;
+      const float m = std::frexp(std::max(amax, 1e-4f) / 448.f, &e2);  // r = m 2^e2, m in [0.5, 1)
+      const int e = m == 0.5f ? e2 - 1 : e2;
+      f.scale[size_t(r) * jds::kAttnScaleBytes + blk] = uint8_t(127 + e);
+      for (int i = 0; i < B; ++i) {
+        bf16& v = rows[size_t(r) * D + blk * B + i];
+        const __nv_fp8_storage_t q =
+            __nv_cvt_float_to_fp8(std::ldexp(__bfloat162float(v), -e), __NV_SATFINITE, __NV_E4M3);
+        f.nope[size_t(r) * ND + blk * B + i] = q;
+        __half_raw h = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
+        v = __float2bfloat16(std::ldexp(__half2float(__half(h)), e));
+      }
+    }
+    for (int i = 0; i < jds::kAttnRopeDim; ++i)
+      f.rope[size_t(r) * jds::kAttnRopeDim + i] = rows[size_t(r) * D + ND + i];
+  }
+  return f;
+}
+
+// Random FP8 pool bytes for timing only (host quantisation of the benchmark pools is too slow):
+// e4m3 bytes without the NaN codes, scale bytes around 2^0, bf16 RoPE dims.
+static Fp8Pool random_fp8_pool(int n) {
+  Fp8Pool f;
+  f.nope.resize(size_t(n) * jds::kAttnNopeDim);
+  f.scale.assign(size_t(n) * jds::kAttnScaleBytes, 127);
+  uint64_t x = 0x2545F4914F6CDD1Dull ^ rng();
+  for (auto& b : f.nope) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = uint8_t(x >> 56) & 0xF7;  // clears bit 3: never S.1111.111 (NaN)
+  }
+  for (size_t i = 0; i < f.scale.size(); ++i)
+    if (i % jds::kAttnScaleBytes < 7) f.scale[i] = uint8_t(120 + (i * 2654435761u >> 28) % 8);
+  f.rope = randn_bf16(size_t(n) * jds::kAttnRopeDim);
+  return f;
+}
+
+static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists, bool random_fp8 = false) {
   AttnData a;
   const int D = jds::kAttnHeadDim;
   a.q = randn_bf16(size_t(c.B) * c.S * c.H * D);
@@ -135,6 +199,16 @@ static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists) {
   p.k_main = c.K, p.k_extra = c.K2, p.rope_dim = c.rope ? 64 : 0, p.scale = 1.f / std::sqrt(512.f);
   p.num_splits = choose_splits(c.B, c.S, c.H, c.K + c.K2, sms);
   p.q = upload(a.q), p.main_rows = upload(a.rows), p.extra_rows = upload(a.rows2);
+  if (c.fp8_main) {
+    CK(cudaFree(const_cast<void*>(p.main_rows)));
+    Fp8Pool f = random_fp8 ? random_fp8_pool(c.n_main) : quantize_pool(a.rows, c.n_main);
+    p.main_rows = upload(f.nope), p.main_rope = upload(f.rope), p.main_scale = upload(f.scale), p.main_fp8 = 1;
+  }
+  if (c.fp8_extra) {
+    CK(cudaFree(const_cast<void*>(p.extra_rows)));
+    Fp8Pool f = random_fp8 ? random_fp8_pool(c.n_extra) : quantize_pool(a.rows2, c.n_extra);
+    p.extra_rows = upload(f.nope), p.extra_rope = upload(f.rope), p.extra_scale = upload(f.scale), p.extra_fp8 = 1;
+  }
   p.main_idx = upload(a.idx), p.extra_idx = upload(a.idx2);
   p.sink = c.sink ? upload(a.sink) : nullptr;
   p.inv_rope = c.rope ? upload(a.rope) : nullptr;
@@ -152,7 +226,8 @@ static void free_attn(AttnData& a) {
   auto& p = a.p;
   for (const void* ptr : {p.q, p.main_rows, p.extra_rows, (const void*)p.main_idx, (const void*)p.extra_idx,
                           (const void*)p.sink, (const void*)p.inv_rope, (const void*)p.out, (const void*)p.lse,
-                          (const void*)p.partial_out})
+                          (const void*)p.partial_out, p.main_rope, (const void*)p.main_scale, p.extra_rope,
+                          (const void*)p.extra_scale})
     if (ptr) CK(cudaFree(const_cast<void*>(ptr)));
 }
 
@@ -228,6 +303,12 @@ static int memcheck(int sms) {
       {"one row", 1, 1, 64, 1, 0, 1, 0, 0.0f, false, false, false},
       {"bad indices (>= N, < -1)", 2, 2, 64, 200, 30, 90, 20, 0.1f, true, true, true},
       {"only extra pool", 1, 1, 64, 0, 77, 0, 90, 0.0f, false, false, false},
+      {"fp8 main, tile edges + bf16 extra", 2, 2, 64, 65, 7, 150, 20, 0.2f, true, true, false, true, false},
+      {"fp8 extra only, H=128", 1, 3, 128, 0, 100, 0, 120, 0.1f, true, false, false, false, true},
+      {"fp8 both, split-K", 1, 2, 64, 3000, 40, 4000, 50, 0.1f, true, true, false, true, true},
+      {"fp8 both, bad indices", 2, 2, 64, 200, 30, 90, 20, 0.1f, true, true, true, true, true},
+      {"fp8 all masked", 1, 2, 64, 130, 0, 10, 0, 1.0f, true, false, false, true, false},
+      {"fp8 one row", 1, 1, 64, 1, 0, 1, 0, 0.0f, false, false, false, true, false},
   };
   int failures = 0;
   for (const auto& c : cases) {
@@ -237,7 +318,7 @@ static int memcheck(int sms) {
     const double err = check_attn(c, a);
     const bool ok = err < 1e-2;
     failures += !ok;
-    std::printf("attention %-28s splits=%d rel_err=%.2e %s\n", c.name, a.p.num_splits, err, ok ? "ok" : "FAIL");
+    std::printf("attention %-34s splits=%d rel_err=%.2e %s\n", c.name, a.p.num_splits, err, ok ? "ok" : "FAIL");
     free_attn(a);
   }
   // prep: widths that leave partial chunks, both dtypes, FP8 64/128, groups of rows
@@ -288,12 +369,17 @@ static int bench(int sms, const char* only) {
       {"V4-Pro DSpark block", 128, 5, 128, 128, 5, 128 * 128, 128 * 5, 0.f, true, false, false},
       {"V4-Pro HCA long context", 16, 1, 128, 8192, 0, 16 * 8192, 0, 0.f, true, false, false},
       {"dense 16k", 32, 1, 64, 16384, 0, 32 * 16384, 0, 0.f, true, false, false},
+      {"V4-Flash CSA decode fp8", 64, 1, 64, 640, 0, 64 * 640, 0, 0.f, true, false, false, true, false},
+      {"DSpark block fp8", 64, 5, 64, 128, 5, 64 * 128, 64 * 5, 0.f, true, false, false, true, true},
+      {"V4-Pro DSpark block fp8", 128, 5, 128, 128, 5, 128 * 128, 128 * 5, 0.f, true, false, false, true, true},
+      {"V4-Pro HCA long context fp8", 16, 1, 128, 8192, 0, 16 * 8192, 0, 0.f, true, false, false, true, false},
+      {"dense 16k fp8", 32, 1, 64, 16384, 0, 32 * 16384, 0, 0.f, true, false, false, true, false},
   };
   for (const auto& c : cases) {
     if (only && !std::strstr(c.name, only)) continue;
     const int kSets = 4;  // rotate pools: 4 x pool > L2 for every case
     std::vector<AttnData> sets;
-    for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true));
+    for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true, true));
     for (int i = 0; i < 3; ++i) CK(jds::run_sparse_sink_attention(sets[i % kSets].p, 0));
     CK(cudaDeviceSynchronize());
     cudaEvent_t e0, e1;
@@ -307,7 +393,8 @@ static int bench(int sms, const char* only) {
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, e0, e1));
     const double us = ms * 1e3 / iters;
-    const double bytes = double(c.B) * (c.K + c.K2) * 1024.0;
+    const double row_main = c.fp8_main ? 584.0 : 1024.0, row_extra = c.fp8_extra ? 584.0 : 1024.0;
+    const double bytes = double(c.B) * (c.K * row_main + c.K2 * row_extra);
     const double flops = 4.0 * c.B * c.S * c.H * (c.K + c.K2) * 512.0;
     std::printf("{\"name\": \"%s\", \"splits\": %d, \"kernel_event_us\": %.2f, \"TBps\": %.3f, \"TFLOPs\": %.1f}\n", c.name,
                 sets[0].p.num_splits, us, bytes / us / 1e6, flops / us / 1e6);

@@ -5,6 +5,10 @@ private region of one big pool, so the gather order is random and nothing repeat
 requests); the S query rows of a request share the list, as a DSpark block does. DSpark
 cases put the last 5 rows in the extra pool (the draft block) and the rest in the main pool
 (the context ring). Bytes counted = distinct rows x 1024 B; FLOPs = 4 * B*S*H*K*512.
+
+Every case runs twice, `kv_dtype` "bf16" (1024-byte rows) and "fp8" (both pools in the
+`ops.kv_fp8.Fp8Rows` form: 448 e4m3 + 64 bf16 + 8 scale bytes = 584 bytes per row, the
+bytes the kernel reads, so `kernel_TBps` counts 584 B per distinct row).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 
 from jax_dspark import _ffi, ops
 from jax_dspark.bench import report, timing
+from jax_dspark.ops import kv_fp8
 
 D = 512
 
@@ -41,16 +46,21 @@ CASES = (
 TARGET_MEMORY_FRACTION = 0.8
 TARGET_COMPUTE_FRACTION = 0.5
 TARGET_SPEEDUP = 5.0
+KV_DTYPES = ("bf16", "fp8")
+ROW_BYTES = {"bf16": D * 2, "fp8": kv_fp8.ROW_BYTES}
 
 
-def make_inputs(case: Case, sets: int, seed: int = 0):
-    """`sets` input tuples (q, main_rows, main_idx, extra_rows, extra_idx, sink) over shared pools."""
+def make_inputs(case: Case, sets: int, seed: int = 0, kv_dtype: str = "bf16"):
+    """`sets` input tuples (q, main_rows, main_idx, extra_rows, extra_idx, sink) over shared pools
+    (`kv_dtype` "fp8": both pools quantised once into `kv_fp8.Fp8Rows`)."""
     rng = np.random.default_rng(seed)
     k_main = case.K - case.extra
     key = jax.random.key(seed)
     k1, k2, k3 = jax.random.split(key, 3)
     main_rows = jax.random.normal(k1, (case.B * k_main, D), jnp.bfloat16)
     extra_rows = jax.random.normal(k2, (max(1, case.B * case.extra), D), jnp.bfloat16)
+    if kv_dtype == "fp8":
+        main_rows, extra_rows = kv_fp8.quantize_kv_rows(main_rows), kv_fp8.quantize_kv_rows(extra_rows)
     sink = jnp.asarray(rng.standard_normal(case.H), jnp.float32)
     out = []
     for i in range(sets):
@@ -82,12 +92,12 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
     ridge = gemm / copy  # FLOP per byte where the two ceilings meet
     have_kernel = _ffi.kernel_report().get("sparse_sink_attention") == _ffi.REGISTERED
     cases = []
-    for case in CASES:
-        if only and only.lower() not in case.name.lower():
+    for case, kv_dtype in [(c, k) for k in KV_DTYPES for c in CASES]:
+        if only and only.lower() not in f"{case.name} {kv_dtype}".lower():
             continue
-        sets = make_inputs(case, max(kernel_sets, xla_sets))
+        sets = make_inputs(case, max(kernel_sets, xla_sets), kv_dtype=kv_dtype)
         flops = 4.0 * case.B * case.S * case.H * case.K * D
-        kv_bytes = float(case.B * case.K * D * 2)
+        kv_bytes = float(case.B * case.K * ROW_BYTES[kv_dtype])
         xla_us = timing.per_call_us(_op("reference"), sets[:xla_sets])
         kernel_us = timing.per_call_us(_op("kernel"), sets[:kernel_sets]) if have_kernel else float("nan")
         bound = "memory" if flops / kv_bytes < ridge else "compute"
@@ -96,7 +106,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         achieved = tbps / copy if bound == "memory" else tflops / gemm
         needed = TARGET_MEMORY_FRACTION if bound == "memory" else TARGET_COMPUTE_FRACTION
         row = dict(
-            name=case.name, B=case.B, S=case.S, H=case.H, K=case.K,
+            name=case.name, kv_dtype=kv_dtype, B=case.B, S=case.S, H=case.H, K=case.K,
             xla_us=round(xla_us, 2), kernel_us=timing.finite_or_none(round(kernel_us, 2)),
             kernel_TBps=timing.finite_or_none(round(tbps, 3)), kernel_TFLOPs=timing.finite_or_none(round(tflops, 1)),
             bound=bound, fraction_of_ceiling=timing.finite_or_none(round(achieved, 3)),
@@ -117,7 +127,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         cases=cases,
     )
     columns = [
-        ("case", "name"), ("B", "B"), ("S", "S"), ("H", "H"), ("K", "K"), ("XLA µs", "xla_us"),
+        ("case", "name"), ("KV", "kv_dtype"), ("B", "B"), ("S", "S"), ("H", "H"), ("K", "K"), ("XLA µs", "xla_us"),
         ("kernel µs", "kernel_us"), ("KV TB/s", "kernel_TBps"), ("TFLOP/s", "kernel_TFLOPs"), ("bound", "bound"),
         ("of ceiling", "fraction_of_ceiling"), ("speedup", "speedup_vs_xla"), ("meets target", "meets_target"),
     ]
@@ -125,7 +135,8 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         "XLA = `ops.sparse_sink_attention_reference` (f32 gather + einsum at HIGHEST precision), kernel = the "
         "CUDA kernel through XLA FFI; both timed in the same process by `jax_dspark.bench.timing.per_call_us` "
         "(N calls on N input sets in one executable minus a 1-call executable).",
-        "KV TB/s = distinct KV bytes (B x K x 1024) / kernel time; TFLOP/s = 4 B S H K 512 / kernel time.",
+        "KV TB/s = distinct KV bytes (B x K x row bytes: 1024 for bf16, 584 for fp8 = 448 e4m3 + 128 bf16 RoPE + 8 "
+        "scale bytes) / kernel time; TFLOP/s = 4 B S H K 512 / kernel time.",
         f"Targets: memory-bound cases >= {TARGET_MEMORY_FRACTION:.0%} of the copy bandwidth, compute-bound "
         f">= {TARGET_COMPUTE_FRACTION:.0%} of the GEMM rate, every case >= {TARGET_SPEEDUP:g}x the XLA reference; "
         f"a case is memory-bound when its FLOP/byte is under the measured ridge ({ridge:.0f}).",

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dspark import _ffi
+from jax_dspark.ops import kv_fp8
 
 HEAD_DIM = 512  # the attention kernel's row width (448 nope + 64 rope dims)
 HEADS_PER_CTA = 64
@@ -73,8 +74,8 @@ def attention_unsupported_reason(q, main_rows, extra_rows, inverse_rope) -> str 
     if q.shape[-1] != HEAD_DIM:
         return f"head dim {q.shape[-1]} (kernel: {HEAD_DIM})"
     for name, rows in (("main_rows", main_rows), ("extra_rows", extra_rows)):
-        if rows is not None and rows.dtype != jnp.bfloat16:
-            return f"{name} dtype {rows.dtype} (kernel: bfloat16)"
+        if rows is not None and not kv_fp8.is_fp8_rows(rows) and rows.dtype != jnp.bfloat16:
+            return f"{name} dtype {rows.dtype} (kernel: bfloat16 or ops.kv_fp8.Fp8Rows)"
     if q.shape[0] > 65535:
         return f"batch {q.shape[0]} > 65535"
     return None
@@ -94,7 +95,9 @@ def sparse_sink_attention(
 ):
     """Kernel path of `ops.sparse_sink_attention` (same arguments, same results).
 
-    Shapes: q `[B, S, H, 512]` bf16, rows `[N, 512]` bf16, idx `int32[B, S, K]`, sink
+    Shapes: q `[B, S, H, 512]` bf16, rows `[N, 512]` bf16 or `kv_fp8.Fp8Rows` (each pool
+    independently; an FP8 pool goes to the handler as its three arrays with `main_fp8` /
+    `extra_fp8` set, a bf16 pool with two empty placeholders), idx `int32[B, S, K]`, sink
     `f32[H]`, inverse_rope `f32[B, S, R/2, 2]`. Any H works (heads are processed 64 at a
     time; 64 and 128 are the tuned cases). vmap runs the kernel once per batch element
     (`vmap_method="sequential"`): the pools are shared operands the kernel cannot batch.
@@ -112,6 +115,8 @@ def sparse_sink_attention(
     if extra_rows is None:
         extra_rows = jnp.zeros((0, d), jnp.bfloat16)
         extra_idx = jnp.zeros((b, s, 0), jnp.int32)
+    main_rows, main_rope, main_scale, main_fp8 = _pool_operands(main_rows)
+    extra_rows, extra_rope, extra_scale, extra_fp8 = _pool_operands(extra_rows)
     k_total = main_idx.shape[-1] + extra_idx.shape[-1]
     splits = choose_splits(b, s, h, k_total, _ffi.num_sms())
     rope_dim = 0 if inverse_rope is None else 2 * inverse_rope.shape[2]
@@ -129,12 +134,29 @@ def sparse_sink_attention(
         extra_idx.astype(jnp.int32),
         jnp.zeros((0,), jnp.float32) if sink is None else sink.astype(jnp.float32),
         jnp.zeros((0,), jnp.float32) if inverse_rope is None else inverse_rope.astype(jnp.float32),
+        main_rope,
+        main_scale,
+        extra_rope,
+        extra_scale,
         scale=np.float32(scale),
         num_splits=np.int32(splits),
         has_sink=np.int32(sink is not None),
         rope_dim=np.int32(rope_dim),
+        main_fp8=np.int32(main_fp8),
+        extra_fp8=np.int32(extra_fp8),
     )
     return (out, lse) if return_lse else out
+
+
+def _pool_operands(rows):
+    """`(rows, rope, scale, is_fp8)` handler operands of one pool.
+
+    An FP8 pool passes its e4m3 `[N, 448]` nope array as the rows operand; a bf16 pool
+    passes empty placeholders for the RoPE / scale operands (the handler ignores them).
+    """
+    if kv_fp8.is_fp8_rows(rows):
+        return rows.nope, rows.rope, rows.scale, True
+    return rows, jnp.zeros((0, kv_fp8.ROPE_DIM), jnp.bfloat16), jnp.zeros((0, kv_fp8.SCALE_BYTES), jnp.uint8), False
 
 
 # ------------------------------------------------------------------------------------------

@@ -18,15 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dspark import _ffi
-from jax_dspark.ops import _checks
+from jax_dspark.ops import _checks, kv_fp8
 from jax_dspark.ops.rope import apply_rope
 
 
+def _pool_size(rows) -> int:
+    return rows.nope.shape[0] if kv_fp8.is_fp8_rows(rows) else rows.shape[0]
+
+
 def _check_pool(prefix: str, rows, idx, b: int, s: int, d: int) -> None:
-    rshape = _checks.check_rank(f"{prefix}_rows", rows, 2, "[N, D]")
-    _checks.check_floating(f"{prefix}_rows", rows)
-    if rshape[1] != d:
-        _checks.fail(f"{prefix}_rows", f"last dim must equal q's D={d}", rshape)
+    if kv_fp8.is_fp8_rows(rows):
+        n = kv_fp8.check_kv_pool(f"{prefix}_rows", rows)
+        if d != kv_fp8.ROW_DIM:
+            _checks.fail(f"{prefix}_rows", f"FP8 rows are {kv_fp8.ROW_DIM} wide but q's D is {d}", d)
+        rshape = (n, d)
+    else:
+        rshape = _checks.check_rank(f"{prefix}_rows", rows, 2, "[N, D]")
+        _checks.check_floating(f"{prefix}_rows", rows)
+        if rshape[1] != d:
+            _checks.fail(f"{prefix}_rows", f"last dim must equal q's D={d}", rshape)
     ishape = _checks.check_rank(f"{prefix}_idx", idx, 3, "[B, S, K]")
     _checks.check_dtype(f"{prefix}_idx", idx, (np.int32,))
     if ishape[:2] != (b, s):
@@ -79,9 +89,12 @@ def sparse_sink_attention(
 
     Args:
       q: `[B, S, H, D]` queries (S query rows per request, H heads).
-      main_rows: `[N, D]` key=value rows of the main pool.
+      main_rows: `[N, D]` key=value rows of the main pool, or (D = 512) an
+        `ops.kv_fp8.Fp8Rows` pool of N rows (448 e4m3 nope dims with power-of-two scales
+        + 64 bf16 RoPE dims), attended exactly as its dequantised bf16 rows would be.
       main_idx: `int32[B, S, K]` rows of `main_rows` each query row sees; `-1` = none.
-      extra_rows, extra_idx: an optional second pool `[N2, D]` / `int32[B, S, K2]`.
+      extra_rows, extra_idx: an optional second pool `[N2, D]` (or `Fp8Rows`, independently
+        of the main pool's form) / `int32[B, S, K2]`.
       sink: `f32[H]` per-head logit added to the softmax denominator only, or None.
       scale: softmax scale applied to `q . k`.
       inverse_rope: `f32[B, S, R/2, 2]` (cos, sin) of each query's position; the output's
@@ -108,9 +121,17 @@ def sparse_sink_attention(
 
 
 def _pool_scores(q32: jax.Array, rows: jax.Array, idx: jax.Array, scale: float):
-    """Gathered rows `[B, S, K, D]` (f32) and masked scores `[B, S, H, K]`."""
-    valid = (idx >= 0) & (idx < rows.shape[0])
-    gathered = jnp.take(rows, jnp.where(valid, idx, 0), axis=0).astype(jnp.float32)
+    """Gathered rows `[B, S, K, D]` (f32) and masked scores `[B, S, H, K]`.
+
+    FP8 pools are gathered first and only the gathered rows dequantised (to bf16, where
+    they are exact, then f32), which equals gathering from the dequantised pool.
+    """
+    valid = (idx >= 0) & (idx < _pool_size(rows))
+    safe = jnp.where(valid, idx, 0)
+    if kv_fp8.is_fp8_rows(rows):
+        gathered = kv_fp8.dequantize_kv_rows(kv_fp8.take_kv_rows(rows, safe)).astype(jnp.float32)
+    else:
+        gathered = jnp.take(rows, safe, axis=0).astype(jnp.float32)
     scores = jnp.einsum("bshd,bskd->bshk", q32, gathered, precision=jax.lax.Precision.HIGHEST) * scale
     return gathered, jnp.where(valid[:, :, None, :], scores, -jnp.inf)
 
