@@ -29,9 +29,11 @@ target_sources(jax_dspark_objs PRIVATE
   csrc/moe/route.cu
   csrc/moe/experts.cu
   csrc/moe/grouped_gemm.cu
+  csrc/moe/experts_fp8.cu
+  csrc/moe/grouped_gemm_fp8.cu
   ffi/moe_handlers.cc)
-# Only the grouped GEMM sees CUTLASS (keeps the other files' compile fast and warning-free).
-set_source_files_properties(csrc/moe/grouped_gemm.cu PROPERTIES
+# Only the grouped GEMMs see CUTLASS (keeps the other files' compile fast and warning-free).
+set_source_files_properties(csrc/moe/grouped_gemm.cu csrc/moe/grouped_gemm_fp8.cu PROPERTIES
   INCLUDE_DIRECTORIES "${JAX_DSPARK_CUTLASS_DIR}/include;${JAX_DSPARK_CUTLASS_DIR}/tools/util/include"
   COMPILE_DEFINITIONS "NDEBUG")
 # registry.cc and module.cc list the MoE targets only when they are built.

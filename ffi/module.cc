@@ -17,7 +17,8 @@ PYBIND11_MODULE(_C, m) {
                              "jax_dspark_rms_norm_rope_fp8"})
       d[name] = py::capsule(jax_dspark_handler(name));
 #ifdef JAX_DSPARK_WITH_MOE  // cmake/moe.cmake
-    for (const char* name : {"jax_dspark_moe_experts", "jax_dspark_moe_route", "jax_dspark_moe_hash_route"})
+    for (const char* name : {"jax_dspark_moe_experts", "jax_dspark_moe_route", "jax_dspark_moe_hash_route",
+                             "jax_dspark_moe_experts_fp8"})
       d[name] = py::capsule(jax_dspark_handler(name));
 #endif
     return d;

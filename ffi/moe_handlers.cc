@@ -48,44 +48,42 @@ int sm_count_of_current_device() {
 
 constexpr const char* kExperts = "jax_dspark_moe_experts";
 constexpr const char* kRoute = "jax_dspark_moe_route";
+constexpr const char* kExpertsFp8 = "jax_dspark_moe_experts_fp8";
 
-ffi::Error MoeExpertsImpl(cudaStream_t stream, float limit, ffi::AnyBuffer x, ffi::AnyBuffer ids,
-                          ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+// Token-side operands of both experts handlers: x bf16 [T, d], ids s32 [T, k], weights f32
+// [T, k], out bf16 like x. Fills T, d, k.
+ffi::Error check_tokens(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
+                        ffi::Result<ffi::AnyBuffer>& out, int64_t& T, int64_t& d, int64_t& k) {
   using DT = ffi::DataType;
   auto xd = x.dimensions(), idd = ids.dimensions(), wd = weights.dimensions();
-  auto gd = w_gate_up.dimensions(), dd = w_down.dimensions();
-  if (xd.size() != 2) return bad(kExperts, "x must be [T, d], got " + dims_str(xd));
-  const int64_t T = xd[0], d = xd[1];
-  if (idd.size() != 2 || idd[0] != T) return bad(kExperts, "ids must be [T, k], got " + dims_str(idd));
-  const int64_t k = idd[1];
+  if (xd.size() != 2) return bad(op, "x must be [T, d], got " + dims_str(xd));
+  T = xd[0];
+  d = xd[1];
+  if (idd.size() != 2 || idd[0] != T) return bad(op, "ids must be [T, k], got " + dims_str(idd));
+  k = idd[1];
   if (wd.size() != 2 || wd[0] != T || wd[1] != k)
-    return bad(kExperts, "weights must be [T, k] like ids, got " + dims_str(wd));
-  if (gd.size() != 3 || gd[1] != d || gd[2] % 2)
-    return bad(kExperts, "w_gate_up must be [E, d, 2I], got " + dims_str(gd));
-  const int64_t E = gd[0], I = gd[2] / 2;
-  if (dd.size() != 3 || dd[0] != E || dd[1] != I || dd[2] != d)
-    return bad(kExperts, "w_down must be [E, I, d], got " + dims_str(dd));
-  if (x.element_type() != DT::BF16 || w_gate_up.element_type() != DT::BF16 ||
-      w_down.element_type() != DT::BF16 || out->element_type() != DT::BF16)
-    return bad(kExperts, "x, w_gate_up, w_down and out must be bf16");
-  if (ids.element_type() != DT::S32) return bad(kExperts, "ids must be int32");
-  if (weights.element_type() != DT::F32) return bad(kExperts, "weights must be f32");
-  if (out->element_count() != x.element_count()) return bad(kExperts, "out must be [T, d]");
-  if (d % 8 || I % 8 || d <= 0 || I <= 0)
-    return bad(kExperts, "d and I must be positive multiples of 8, got d=" + std::to_string(d) +
-                             " I=" + std::to_string(I));
-  if (E < 1 || E > jds::kMoeMaxExperts)
-    return bad(kExperts, "E must be in [1, " + std::to_string(jds::kMoeMaxExperts) + "], got " + std::to_string(E));
-  if (k < 1 || T * k > INT32_MAX) return bad(kExperts, "need k >= 1 and T*k < 2^31");
-  if (T == 0) return ffi::Error::Success();
+    return bad(op, "weights must be [T, k] like ids, got " + dims_str(wd));
+  if (x.element_type() != DT::BF16 || out->element_type() != DT::BF16) return bad(op, "x and out must be bf16");
+  if (ids.element_type() != DT::S32) return bad(op, "ids must be int32");
+  if (weights.element_type() != DT::F32) return bad(op, "weights must be f32");
+  if (out->element_count() != x.element_count()) return bad(op, "out must be [T, d]");
+  return ffi::Error::Success();
+}
 
-  jds::MoeExpertsParams p{};
+ffi::Error check_counts(const char* op, int64_t E, int64_t T, int64_t k) {
+  if (E < 1 || E > jds::kMoeMaxExperts)
+    return bad(op, "E must be in [1, " + std::to_string(jds::kMoeMaxExperts) + "], got " + std::to_string(E));
+  if (k < 1 || T * k > INT32_MAX) return bad(op, "need k >= 1 and T*k < 2^31");
+  return ffi::Error::Success();
+}
+
+// The fields both params structs share; sm_count 0 means no device.
+template <class Params>
+void fill_common(Params& p, float limit, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
+                 ffi::Result<ffi::AnyBuffer>& out, int64_t T, int64_t k, int64_t E, int64_t d, int64_t I) {
   p.x = x.untyped_data();
   p.ids = static_cast<const int32_t*>(ids.untyped_data());
   p.weights = static_cast<const float*>(weights.untyped_data());
-  p.w_gate_up = w_gate_up.untyped_data();
-  p.w_down = w_down.untyped_data();
   p.out = out->untyped_data();
   p.tokens = T;
   p.k = int(k);
@@ -94,12 +92,85 @@ ffi::Error MoeExpertsImpl(cudaStream_t stream, float limit, ffi::AnyBuffer x, ff
   p.inter = int(I);
   p.limit = limit;
   p.sm_count = sm_count_of_current_device();
+}
+
+ffi::Error check_workspace(const char* op, size_t need, ffi::Result<ffi::AnyBuffer>& workspace) {
+  const size_t have = workspace->size_bytes();
+  if (have < need) return bad(op, "workspace has " + std::to_string(have) + " bytes, needs " + std::to_string(need));
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeExpertsImpl(cudaStream_t stream, float limit, ffi::AnyBuffer x, ffi::AnyBuffer ids,
+                          ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  using DT = ffi::DataType;
+  int64_t T, d, k;
+  if (auto err = check_tokens(kExperts, x, ids, weights, out, T, d, k); err.failure()) return err;
+  auto gd = w_gate_up.dimensions(), dd = w_down.dimensions();
+  if (gd.size() != 3 || gd[1] != d || gd[2] % 2)
+    return bad(kExperts, "w_gate_up must be [E, d, 2I], got " + dims_str(gd));
+  const int64_t E = gd[0], I = gd[2] / 2;
+  if (dd.size() != 3 || dd[0] != E || dd[1] != I || dd[2] != d)
+    return bad(kExperts, "w_down must be [E, I, d], got " + dims_str(dd));
+  if (w_gate_up.element_type() != DT::BF16 || w_down.element_type() != DT::BF16)
+    return bad(kExperts, "x, w_gate_up, w_down and out must be bf16");
+  if (d % 8 || I % 8 || d <= 0 || I <= 0)
+    return bad(kExperts, "d and I must be positive multiples of 8, got d=" + std::to_string(d) +
+                             " I=" + std::to_string(I));
+  if (auto err = check_counts(kExperts, E, T, k); err.failure()) return err;
+  if (T == 0) return ffi::Error::Success();
+
+  jds::MoeExpertsParams p{};
+  fill_common(p, limit, x, ids, weights, out, T, k, E, d, I);
+  p.w_gate_up = w_gate_up.untyped_data();
+  p.w_down = w_down.untyped_data();
   if (p.sm_count <= 0) return ffi::Error::Internal(std::string(kExperts) + ": no CUDA device");
   const size_t need = jds::moe_experts_workspace_bytes(T, p.k, p.experts, p.hidden, p.inter, p.sm_count);
-  const size_t have = workspace->size_bytes();
-  if (have < need)
-    return bad(kExperts, "workspace has " + std::to_string(have) + " bytes, needs " + std::to_string(need));
-  return from_cuda(kExperts, jds::run_moe_experts(p, workspace->untyped_data(), have, stream));
+  if (auto err = check_workspace(kExperts, need, workspace); err.failure()) return err;
+  return from_cuda(kExperts, jds::run_moe_experts(p, workspace->untyped_data(), workspace->size_bytes(), stream));
+}
+
+// FP8 experts: weights e4m3 [E, N, K] (K contiguous) with UE8M0 bytes per 128x128 block.
+ffi::Error MoeExpertsFp8Impl(cudaStream_t stream, float limit, ffi::AnyBuffer x, ffi::AnyBuffer ids,
+                             ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer s_gate_up,
+                             ffi::AnyBuffer w_down, ffi::AnyBuffer s_down, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::AnyBuffer> workspace) {
+  using DT = ffi::DataType;
+  constexpr int64_t B = jds::kMoeFp8Block;
+  int64_t T, d, k;
+  if (auto err = check_tokens(kExpertsFp8, x, ids, weights, out, T, d, k); err.failure()) return err;
+  auto gd = w_gate_up.dimensions(), gsd = s_gate_up.dimensions();
+  auto dd = w_down.dimensions(), dsd = s_down.dimensions();
+  if (gd.size() != 3 || gd[2] != d || gd[1] % 2)
+    return bad(kExpertsFp8, "w_gate_up must be [E, 2I, d], got " + dims_str(gd));
+  const int64_t E = gd[0], I = gd[1] / 2;
+  if (dd.size() != 3 || dd[0] != E || dd[1] != d || dd[2] != I)
+    return bad(kExpertsFp8, "w_down must be [E, d, I], got " + dims_str(dd));
+  if (d <= 0 || I <= 0 || d % B || I % B)
+    return bad(kExpertsFp8, "d and I must be positive multiples of 128, got d=" + std::to_string(d) +
+                                " I=" + std::to_string(I));
+  if (gsd.size() != 3 || gsd[0] != E || gsd[1] != 2 * I / B || gsd[2] != d / B)
+    return bad(kExpertsFp8, "s_gate_up must be [E, 2I/128, d/128], got " + dims_str(gsd));
+  if (dsd.size() != 3 || dsd[0] != E || dsd[1] != d / B || dsd[2] != I / B)
+    return bad(kExpertsFp8, "s_down must be [E, d/128, I/128], got " + dims_str(dsd));
+  if (w_gate_up.element_type() != DT::F8E4M3FN || w_down.element_type() != DT::F8E4M3FN)
+    return bad(kExpertsFp8, "w_gate_up and w_down must be float8_e4m3fn");
+  if (s_gate_up.element_type() != DT::U8 || s_down.element_type() != DT::U8)
+    return bad(kExpertsFp8, "s_gate_up and s_down must be uint8 (UE8M0)");
+  if (auto err = check_counts(kExpertsFp8, E, T, k); err.failure()) return err;
+  if (T == 0) return ffi::Error::Success();
+
+  jds::MoeExpertsFp8Params p{};
+  fill_common(p, limit, x, ids, weights, out, T, k, E, d, I);
+  p.w_gate_up = w_gate_up.untyped_data();
+  p.s_gate_up = static_cast<const uint8_t*>(s_gate_up.untyped_data());
+  p.w_down = w_down.untyped_data();
+  p.s_down = static_cast<const uint8_t*>(s_down.untyped_data());
+  if (p.sm_count <= 0) return ffi::Error::Internal(std::string(kExpertsFp8) + ": no CUDA device");
+  const size_t need = jds::moe_experts_fp8_workspace_bytes(T, p.k, p.experts, p.hidden, p.inter, p.sm_count);
+  if (auto err = check_workspace(kExpertsFp8, need, workspace); err.failure()) return err;
+  return from_cuda(kExpertsFp8,
+                   jds::run_moe_experts_fp8(p, workspace->untyped_data(), workspace->size_bytes(), stream));
 }
 
 // Shared by top-k and hash routing: logits (or scores) [T, E] f32/bf16 -> weights f32 [T, k],
@@ -205,4 +276,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsparkMoeHashRoute, MoeHashRouteImpl,
                                   .Arg<ffi::AnyBuffer>()   // table
                                   .Ret<ffi::AnyBuffer>()   // weights
                                   .Ret<ffi::AnyBuffer>(),  // ids
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsparkMoeExpertsFp8, MoeExpertsFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<float>("limit")
+                                  .Arg<ffi::AnyBuffer>()   // x
+                                  .Arg<ffi::AnyBuffer>()   // ids
+                                  .Arg<ffi::AnyBuffer>()   // weights
+                                  .Arg<ffi::AnyBuffer>()   // w_gate_up values
+                                  .Arg<ffi::AnyBuffer>()   // w_gate_up UE8M0 exponents
+                                  .Arg<ffi::AnyBuffer>()   // w_down values
+                                  .Arg<ffi::AnyBuffer>()   // w_down UE8M0 exponents
+                                  .Ret<ffi::AnyBuffer>()   // out
+                                  .Ret<ffi::AnyBuffer>(),  // workspace
                               {ffi::Traits::kCmdBufferCompatible});

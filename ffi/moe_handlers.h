@@ -9,6 +9,11 @@ extern "C" {
 // the Python wrapper). Attribute: limit (f32, <= 0 = no SwiGLU clamp).
 XLA_FFI_Error* JaxDsparkMoeExperts(XLA_FFI_CallFrame* call_frame);
 
+// Routed experts, FP8: x, ids, weights, w_gate_up (e4m3 [E, 2I, d]), s_gate_up (u8
+// [E, 2I/128, d/128]), w_down (e4m3 [E, d, I]), s_down (u8 [E, d/128, I/128]) -> out,
+// workspace. Attribute: limit (f32).
+XLA_FFI_Error* JaxDsparkMoeExpertsFp8(XLA_FFI_CallFrame* call_frame);
+
 // Top-k routing: logits, bias -> weights, ids. Attributes: score_kind, renormalize, has_bias
 // (i32), route_scale (f32).
 XLA_FFI_Error* JaxDsparkMoeRoute(XLA_FFI_CallFrame* call_frame);

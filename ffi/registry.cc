@@ -21,6 +21,7 @@ constexpr Target kTargets[] = {
     {"jax_dspark_moe_experts", JaxDsparkMoeExperts},
     {"jax_dspark_moe_route", JaxDsparkMoeRoute},
     {"jax_dspark_moe_hash_route", JaxDsparkMoeHashRoute},
+    {"jax_dspark_moe_experts_fp8", JaxDsparkMoeExpertsFp8},
 #endif
 };
 
@@ -41,6 +42,7 @@ const char* jax_dspark_target_names() {
          ",jax_dspark_moe_experts=JaxDsparkMoeExperts"
          ",jax_dspark_moe_route=JaxDsparkMoeRoute"
          ",jax_dspark_moe_hash_route=JaxDsparkMoeHashRoute"
+         ",jax_dspark_moe_experts_fp8=JaxDsparkMoeExpertsFp8"
 #endif
          ;
 }

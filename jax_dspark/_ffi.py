@@ -36,6 +36,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "sparse_sink_attention": ("jax_dspark_sparse_sink_attention",),
     "rms_norm_rope": ("jax_dspark_rms_norm_rope", "jax_dspark_rms_norm_rope_fp8"),
     "moe_experts": ("jax_dspark_moe_experts",),
+    "moe_experts_fp8": ("jax_dspark_moe_experts_fp8",),
     "moe_route": ("jax_dspark_moe_route", "jax_dspark_moe_hash_route"),
 }
 REGISTERED = "registered"

@@ -1,5 +1,6 @@
 """FP8 e4m3 with UE8M0 scales rounded up: exact bytes, bounds and round-trip error."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,3 +77,30 @@ def test_bad_block_and_shapes_raise():
         ops.quantize_fp8(jnp.ones((2, 100)))
     with pytest.raises(ValueError, match="w: last two dims"):
         ops.quantize_fp8_weight(jnp.ones((128, 100)))
+
+
+def test_bit_decode_matches_the_cast_for_all_256_codes():
+    from jax_dspark.ops import fp8
+
+    codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
+    want = np.asarray(codes.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(fp8.e4m3_to_f32(codes)), want)  # NaN codes compare equal
+
+
+def test_round_to_bf16_equals_the_bf16_cast():
+    from jax_dspark.ops import fp8
+
+    x = np.random.default_rng(3).standard_normal((4, 999)).astype(np.float32) * 1e3
+    np.testing.assert_array_equal(np.asarray(fp8.round_to_bf16(x)), np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+def test_round_trip_inside_one_jit_still_rounds_on_gpu():
+    # XLA on GPU may fold a convert pair f32 -> e4m3 -> f32 inside one computation; the
+    # references must keep FP8's rounding there (as the kernels do), not silently skip it.
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((64, 256)), jnp.float32)
+    inside = np.asarray(jax.jit(lambda v: ops.fp8_round_trip(v * 1.0) + 0.0)(x))
+    values, exps = jax.jit(ops.quantize_fp8)(x)  # materialised e4m3: rounding certainly happened
+    separate = np.asarray(jax.jit(lambda v, e: ops.dequantize_fp8(v, e, dtype=jnp.float32))(values, exps))
+    np.testing.assert_array_equal(inside, separate)
+    assert not np.array_equal(inside, np.asarray(x))

@@ -250,4 +250,13 @@ cudaError_t run_moe_experts(const MoeExpertsParams& p, void* workspace, size_t w
   return cudaGetLastError();
 }
 
+cudaError_t run_moe_unpermute(const void* y, const int32_t* row_of_pair, const float* weights,
+                              int64_t tokens, int k, int hidden, void* out, cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  if (hidden % 8 || k < 1) return cudaErrorInvalidValue;
+  unpermute_kernel<<<static_cast<unsigned>(tokens), 128, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(y), row_of_pair, weights, k, hidden, static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
+}
+
 }  // namespace jds

@@ -13,6 +13,7 @@ namespace jds {
 constexpr int kMoeMaxExperts = 4096;  // permute keeps two int32 counters per expert in shared memory
 constexpr int kMoeRouteMaxExperts = 1024;  // route keeps E / 32 scores per lane in registers
 constexpr int kMoeRouteMaxK = 32;
+constexpr int kMoeFp8Block = 128;  // FP8 scale blocks: 1x128 activations, 128x128 weights
 
 enum MoeScoreKind : int {
   kMoeScoreSqrtSoftplus = 0,  // sqrt(softplus(l)), DeepSeek-V4
@@ -88,5 +89,49 @@ size_t moe_grouped_gemm_workspace_bytes(int experts, int sm_count);
 cudaError_t run_moe_grouped_gemm(const void* a, const void* b, void* d, const int32_t* offsets,
                                  int experts, int n, int k, int64_t rows_hint, int sm_count,
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Routed experts, FP8 (DeepSeek's recipe): permute -> gather + quantise x per 1x128 ->
+// grouped block-scaled FC1 -> clamped SwiGLU + quantise per 1x128 -> grouped block-scaled
+// FC2 -> weighted un-permute. Weights are e4m3 [E, N, K] (K contiguous, "out x in") with one
+// UE8M0 byte per 128x128 block, [E, N/128, K/128]; a byte b means the scale 2^(b - 127).
+// Activation scales are powers of two, 2^ceil(log2(max(amax, 1e-4) / 448)), as in
+// jax_dspark/ops/fp8.py. FC outputs are bf16, accumulation f32.
+struct MoeExpertsFp8Params {
+  const void* x;             // bf16 [T, d]
+  const int32_t* ids;        // [T, k]; ids outside [0, E) are dropped
+  const float* weights;      // [T, k]
+  const void* w_gate_up;     // e4m3 [E, 2I, d] (gate = first I rows)
+  const uint8_t* s_gate_up;  // [E, 2I/128, d/128]
+  const void* w_down;        // e4m3 [E, d, I]
+  const uint8_t* s_down;     // [E, d/128, I/128]
+  void* out;                 // bf16 [T, d]
+  int64_t tokens;            // T
+  int k;
+  int experts;               // E <= kMoeMaxExperts
+  int hidden;                // d, multiple of 128
+  int inter;                 // I, multiple of 128
+  float limit;               // SwiGLU clamp; <= 0 means none
+  int sm_count;
+};
+
+size_t moe_experts_fp8_workspace_bytes(int64_t tokens, int k, int experts, int hidden, int inter,
+                                       int sm_count);
+
+cudaError_t run_moe_experts_fp8(const MoeExpertsFp8Params& p, void* workspace, size_t workspace_bytes,
+                                cudaStream_t stream);
+
+// out[t] = bf16(sum_j weights[t, j] * y[row_of_pair[t, j]]) (f32, slot order; rows < 0 skipped).
+cudaError_t run_moe_unpermute(const void* y, const int32_t* row_of_pair, const float* weights,
+                              int64_t tokens, int k, int hidden, void* out, cudaStream_t stream);
+
+// Grouped block-scaled FP8 GEMM D_e = (A_e * SFA) @ (B_e * SFB)^T: A rows [offsets[e],
+// offsets[e+1]) of a row-major e4m3 [*, K] matrix, B_e = b + e*N*K e4m3 [N, K] (K contiguous),
+// D rows of a row-major bf16 [*, N] matrix. Scale layouts: csrc/moe/grouped_gemm_fp8.cu.
+size_t moe_grouped_gemm_fp8_workspace_bytes(int experts, int sm_count);
+
+cudaError_t run_moe_grouped_gemm_fp8(const void* a, const float* sfa, const void* b, const float* sfb,
+                                     void* d, const int32_t* offsets, int experts, int n, int k,
+                                     int64_t rows_hint, int sm_count, void* workspace,
+                                     size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace jds

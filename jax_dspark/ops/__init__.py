@@ -19,6 +19,7 @@ from jax_dspark.ops.fp8 import (
     quantize_fp8,
     quantize_fp8_weight,
 )
+from jax_dspark.ops.kv_fp8 import Fp8Rows, dequantize_kv_rows, quantize_kv_rows
 from jax_dspark.ops.moe import (
     expert_parallel,
     hash_route,
@@ -29,6 +30,7 @@ from jax_dspark.ops.moe import (
     swiglu,
     topk_route,
 )
+from jax_dspark.ops.moe_fp8 import Fp8Weight, moe_experts_fp8, moe_experts_fp8_reference, quantize_expert_weights
 from jax_dspark.ops.norm import rms_norm
 from jax_dspark.ops.prep import rms_norm_rope, rms_norm_rope_reference
 from jax_dspark.ops.rope import YarnScaling, apply_rope, rope_table
@@ -56,11 +58,14 @@ def force(mode: str):
 
 
 __all__ = [
+    "Fp8Rows",
+    "Fp8Weight",
     "YarnScaling",
     "SamplingParams",
     "apply_rope",
     "dequantize_fp8",
     "dequantize_fp8_weight",
+    "dequantize_kv_rows",
     "expert_parallel",
     "force",
     "fp8_round_trip",
@@ -69,11 +74,15 @@ __all__ = [
     "merge_partials",
     "mlp_swiglu",
     "moe_experts",
+    "moe_experts_fp8",
+    "moe_experts_fp8_reference",
     "moe_experts_reference",
     "probabilities",
     "process_logits",
+    "quantize_expert_weights",
     "quantize_fp8",
     "quantize_fp8_weight",
+    "quantize_kv_rows",
     "rms_norm",
     "rms_norm_rope",
     "rms_norm_rope_reference",

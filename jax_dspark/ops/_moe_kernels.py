@@ -14,13 +14,16 @@ captures the call in a CUDA graph, which a per-call scratch allocation would not
 
 from __future__ import annotations
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dspark import _ffi
 from jax_dspark.ops import moe as _moe
 
 EXPERTS_TARGET = "jax_dspark_moe_experts"
+EXPERTS_FP8_TARGET = "jax_dspark_moe_experts_fp8"
 ROUTE_TARGET = "jax_dspark_moe_route"
 HASH_ROUTE_TARGET = "jax_dspark_moe_hash_route"
 
@@ -80,14 +83,18 @@ def moe_experts(
     """
     if not experts_supported(x, w_gate_up, w_down):
         return _moe.moe_experts_reference(x, ids, weights, w_gate_up, w_down, limit=limit)
-    t, d = x.shape
-    k = ids.shape[1]
     e, _, two_i = w_gate_up.shape
+    ws = experts_workspace_bytes(x.shape[0], ids.shape[1], e, x.shape[1], two_i // 2)
+    return _experts_call(EXPERTS_TARGET, ws, x, ids, weights, (w_gate_up, w_down), limit)
+
+
+def _experts_call(target: str, ws: int, x, ids, weights, expert_operands: tuple, limit) -> jax.Array:
+    """One experts custom call: `(x, ids, weights, *expert_operands) -> (out [T, d], workspace)`."""
+    t, d = x.shape
     if t == 0:
         return jnp.zeros((0, d), x.dtype)
-    ws = experts_workspace_bytes(t, k, e, d, two_i // 2)
     call = jax.ffi.ffi_call(
-        EXPERTS_TARGET,
+        target,
         (jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
         vmap_method="sequential",
     )
@@ -95,8 +102,7 @@ def moe_experts(
         x,
         ids.astype(jnp.int32),
         weights.astype(jnp.float32),
-        w_gate_up,
-        w_down,
+        *expert_operands,
         limit=np.float32(0.0 if limit is None else limit),
     )
     return out
@@ -191,3 +197,66 @@ def hash_route(
             route_scale=np.float32(route_scale),
         )
     )
+
+
+# ---- FP8 experts (csrc/moe/experts_fp8.cu, grouped_gemm_fp8.cu) ---------------------------
+
+FP8_BLOCK = 128  # kMoeFp8Block
+
+
+def experts_fp8_available() -> bool:
+    """Whether the FP8 experts kernel can run here (at trace time); raises under force("kernel") if not."""
+    return _ffi.use_kernel("moe_experts_fp8")
+
+
+def experts_fp8_status() -> str:
+    """"registered", or why the FP8 experts kernel cannot run here."""
+    return _ffi.kernel_report().get("moe_experts_fp8", "unknown")
+
+
+def experts_fp8_workspace_bytes(tokens: int, k: int, experts: int, hidden: int, inter: int) -> int:
+    """Upper bound of the bytes `run_moe_experts_fp8` needs (the handler checks it exactly).
+
+    Mirrors `carve` in csrc/moe/experts_fp8.cu: offsets, two row maps, xq e4m3 [P, d] and its
+    f32 scales [P, d/128], h bf16 [P, 2I], aq e4m3 [P, I] and scales [P, I/128], y bf16
+    [P, d], the f32 weight scales of both matrices, and the FP8 grouped GEMM's 11 group
+    arrays (at most 32 bytes an entry) plus per-SM tensor maps (bounded by 1 KiB an SM).
+    """
+    p = tokens * k
+    db, ib = hidden // FP8_BLOCK, inter // FP8_BLOCK
+    gemm = 11 * _round(32 * experts, _GEMM_ARRAY) + 1024 * _MAX_SMS + 2 * _GEMM_ARRAY
+    parts = [
+        4 * (experts + 1), 4 * p, 4 * p,
+        p * hidden, 4 * p * db,
+        2 * p * 2 * inter,
+        p * inter, 4 * p * ib,
+        2 * p * hidden,
+        4 * experts * 2 * ib * db, 4 * experts * db * ib,
+        gemm,
+    ]
+    return sum(_round(b, _SLAB) for b in parts) + _SLAB
+
+
+def experts_fp8_supported(x: jax.Array, w_gate_up, w_down) -> bool:
+    """Whether the FP8 kernel covers these operands (else the FP8 reference runs)."""
+    e, two_i, d = w_gate_up.values.shape
+    return (
+        x.dtype == jnp.bfloat16
+        and w_gate_up.values.dtype == jnp.float8_e4m3fn
+        and w_down.values.dtype == jnp.float8_e4m3fn
+        and d % FP8_BLOCK == 0
+        and (two_i // 2) % FP8_BLOCK == 0
+        and 1 <= e <= MAX_EXPERTS
+    )
+
+
+def moe_experts_fp8(x, ids, weights, w_gate_up, w_down, *, limit: float | None = None) -> jax.Array:
+    """FP8 routed experts on the GPU; same contract as `moe_fp8.moe_experts_fp8` (validated there)."""
+    from jax_dspark.ops import moe_fp8
+
+    if not experts_fp8_supported(x, w_gate_up, w_down):
+        return moe_fp8.moe_experts_fp8_reference(x, ids, weights, w_gate_up, w_down, limit=limit)
+    e, two_i, _ = w_gate_up.values.shape
+    ws = experts_fp8_workspace_bytes(x.shape[0], ids.shape[1], e, x.shape[1], two_i // 2)
+    operands = (w_gate_up.values, w_gate_up.exps, w_down.values, w_down.exps)
+    return _experts_call(EXPERTS_FP8_TARGET, ws, x, ids, weights, operands, limit)

@@ -37,6 +37,31 @@ def _quantize_blocks(xb: jax.Array, axes: tuple[int, ...]):
     return values, (exponent + 127).astype(jnp.uint8)
 
 
+def e4m3_to_f32(values: jax.Array) -> jax.Array:
+    """`float8_e4m3fn` -> f32, decoded from the bits (exact; NaN for the NaN codes).
+
+    Why not `values.astype(f32)`: inside one jit, XLA on GPU may drop a convert pair
+    f32 -> e4m3 -> f32 (it allows excess precision by default), so a reference that
+    quantises and dequantises in one computation would silently skip the rounding the FP8
+    kernels do. No convert pair survives a bitcast to bytes, so this decode keeps it.
+    """
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint8).astype(jnp.int32)
+    exponent, mantissa = (bits >> 3) & 15, (bits & 7).astype(jnp.float32)
+    normal = jnp.ldexp(1.0 + mantissa / 8.0, exponent - 7)
+    magnitude = jnp.where(exponent == 0, jnp.ldexp(mantissa / 8.0, -6), normal)
+    magnitude = jnp.where((exponent == 15) & (bits & 7 == 7), jnp.nan, magnitude)
+    return jnp.where(bits >= 128, -magnitude, magnitude)
+
+
+def round_to_bf16(x: jax.Array) -> jax.Array:
+    """f32 rounded to bf16 precision (nearest even) and kept in f32, in a way XLA keeps.
+
+    `x.astype(bf16).astype(f32)` is such a convert pair (see `e4m3_to_f32`); references that
+    mirror a kernel writing bf16 intermediates use this instead.
+    """
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+
+
 def _check_block(block: int) -> None:
     if block not in (32, 64, 128):
         _checks.fail("block", "must be 32, 64 or 128", block)
@@ -69,7 +94,7 @@ def dequantize_fp8(values: jax.Array, exps: jax.Array, block: int = 128, dtype=j
     if not shape or shape[-1] % block or _checks.shape_of(exps) != (*shape[:-1], shape[-1] // block):
         _checks.fail("exps", f"shape must be {(*shape[:-1], shape[-1] // block) if shape else '?'}", _checks.shape_of(exps))
     _checks.check_dtype("exps", exps, (np.uint8,))
-    vb = values.astype(jnp.float32).reshape(*shape[:-1], shape[-1] // block, block)
+    vb = e4m3_to_f32(values).reshape(*shape[:-1], shape[-1] // block, block)
     scale = jnp.ldexp(jnp.float32(1.0), exps.astype(jnp.int32) - 127)[..., None]
     return (vb * scale).reshape(shape).astype(dtype)
 
@@ -107,6 +132,6 @@ def dequantize_fp8_weight(values: jax.Array, exps: jax.Array, dtype=jnp.bfloat16
     if _checks.shape_of(exps) != (*shape[:-2], n, k):
         _checks.fail("exps", f"shape must be {(*shape[:-2], n, k)}", _checks.shape_of(exps))
     _checks.check_dtype("exps", exps, (np.uint8,))
-    vb = values.astype(jnp.float32).reshape(*shape[:-2], n, WEIGHT_BLOCK, k, WEIGHT_BLOCK)
+    vb = e4m3_to_f32(values).reshape(*shape[:-2], n, WEIGHT_BLOCK, k, WEIGHT_BLOCK)
     scale = jnp.ldexp(jnp.float32(1.0), exps.astype(jnp.int32) - 127)[..., :, None, :, None]
     return (vb * scale).reshape(shape).astype(dtype)

@@ -165,7 +165,8 @@ def mlp_swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, limit: 
     return jnp.dot(a, w_down.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _validate_experts(x, ids, weights, w_gate_up, w_down):
+def validate_tokens(x, ids, weights) -> int:
+    """Checks `x [T, d]` floating, `ids int32[T, k]`, `weights [T, k]`; returns d."""
     t, d = _checks.check_rank("x", x, 2, "[T, d]")
     _checks.check_floating("x", x)
     ishape = _checks.check_rank("ids", ids, 2, "[T, k]")
@@ -174,11 +175,21 @@ def _validate_experts(x, ids, weights, w_gate_up, w_down):
         _checks.fail("ids", f"first dim must be T={t}", ishape)
     if _checks.shape_of(weights) != ishape:
         _checks.fail("weights", f"shape must equal ids' {ishape}", _checks.shape_of(weights))
+    return d
+
+
+def _validate_experts(x, ids, weights, w_gate_up, w_down):
+    d = validate_tokens(x, ids, weights)
     e, d2, two_i = _checks.check_rank("w_gate_up", w_gate_up, 3, "[E, d, 2I]")
     if d2 != d or two_i % 2:
         _checks.fail("w_gate_up", f"expected [E, d={d}, 2I]", (e, d2, two_i))
     if _checks.shape_of(w_down) != (e, two_i // 2, d):
         _checks.fail("w_down", f"shape must be (E, I, d)=({e}, {two_i // 2}, {d})", _checks.shape_of(w_down))
+    validate_routing(ids, e)
+
+
+def validate_routing(ids, e: int) -> None:
+    """Concrete expert ids must lie in `[0, E)` and be distinct within a token."""
     values = _checks.concrete(ids)
     if values is not None and values.size:
         if values.min() < 0 or values.max() >= e:
@@ -204,12 +215,20 @@ def moe_experts(
       x: `[T, d]` tokens.
       ids: `int32[T, k]` chosen experts (distinct per token).
       weights: `f32[T, k]` combine weights.
-      w_gate_up: `[E, d, 2I]` (gate = `[..., :I]`, up = `[..., I:]`).
-      w_down: `[E, I, d]`.
+      w_gate_up: `[E, d, 2I]` (gate = `[..., :I]`, up = `[..., I:]`), or FP8
+        (`moe_fp8.Fp8Weight`, `[E, 2I, d]` e4m3 + UE8M0 exponents per 128x128 block).
+      w_down: `[E, I, d]`, or FP8 (`Fp8Weight`, `[E, d, I]`).
       limit: SwiGLU clamp, or None.
     Returns:
       `[T, d]` in x's dtype (f32 accumulation).
+
+    FP8 weights (both or neither) run DeepSeek's recipe (`moe_fp8.moe_experts_fp8`):
+    activations quantised per 1x128 before each expert matmul.
     """
+    from jax_dspark.ops import moe_fp8
+
+    if isinstance(w_gate_up, moe_fp8.Fp8Weight) or isinstance(w_down, moe_fp8.Fp8Weight):
+        return moe_fp8.moe_experts_fp8(x, ids, weights, w_gate_up, w_down, limit=limit)
     _validate_experts(x, ids, weights, w_gate_up, w_down)
     ep = _EXPERT_PARALLEL.get()
     if ep is not None and ep[0].shape[ep[1]] > 1:
