@@ -59,7 +59,8 @@ def test_eval_command_json_has_the_issue_fields(tmp_path, capsys):
     assert eval_cmd.run(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert {"gpu", "commit", "date", "runs"} <= set(report) and report["commit"] == "abc"
-    (run,) = report["runs"]
+    run, base = report["runs"]  # the plain-decoding baseline is measured, so it is reported too
+    assert base["drafter"] == "none" and base["block"] == 0 and base["acceptance_length"] == 1.0
     assert run["dataset"] == "set" and run["drafter"] == "dspark" and run["temperature"] == 0
     assert run["block"] == 4 and run["prompts"] == 2
     for key in ("acceptance_length", "per_position_acceptance", "tokens_per_s", "baseline_tokens_per_s"):

@@ -142,9 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 _log(f"{name} T={temp} {drafter_name}: AL {r.acceptance_length:.3f}, "
                      f"{r.tokens_per_s:.1f} tok/s ({r.num_tokens} tokens, compile {r.compile_s:.1f} s)")
             base = results.get("none")
-            for drafter_name, r in results.items():
-                if drafter_name not in args.drafter:
-                    continue
+            for drafter_name, r in results.items():  # the baseline too: it was measured
                 drafter = drafters[drafter_name]
                 runs.append(dict(
                     dataset=name, temperature=temp, drafter=drafter_name,
