@@ -11,6 +11,7 @@ applied once after the merge.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import jax
@@ -107,7 +108,8 @@ def sparse_sink_attention(
       is concrete; under `jit` they are treated as `-1` (masked, never read).
     """
     _validate(q, main_rows, main_idx, extra_rows, extra_idx, sink, scale, inverse_rope)
-    if _ffi.use_kernel("sparse_sink_attention"):
+    fp8 = kv_fp8.is_fp8_rows(main_rows) or kv_fp8.is_fp8_rows(extra_rows)
+    if _ffi.use_kernel("sparse_sink_attention") and (not fp8 or _fp8_kernel_enabled()):
         from jax_dspark.ops import _kernels
 
         return _kernels.sparse_sink_attention(
@@ -118,6 +120,17 @@ def sparse_sink_attention(
         q, main_rows, main_idx, extra_rows=extra_rows, extra_idx=extra_idx, sink=sink,
         scale=float(scale), inverse_rope=inverse_rope, return_lse=return_lse,
     )
+
+
+def _fp8_kernel_enabled() -> bool:
+    """FP8 pools reach the kernel only under `ops.force("kernel")` or JAX_DSPARK_FP8_ATTENTION=1.
+
+    Why opt-in: in two of three H200 runs (2026-12-03) a test process stalled for minutes in
+    an FP8-pool attention test that passes in seconds otherwise, and it is not yet known
+    whether the FP8 kernel instantiation can wait forever. Until that is settled, "auto"
+    keeps FP8 pools on the reference (docs/kernels.md, "FP8 rows").
+    """
+    return _ffi.force_mode() == "kernel" or os.environ.get("JAX_DSPARK_FP8_ATTENTION") == "1"
 
 
 def _pool_scores(q32: jax.Array, rows: jax.Array, idx: jax.Array, scale: float):
