@@ -280,9 +280,18 @@ def expert_rows(
 
 def moe_experts_reference(x, ids, weights, w_gate_up, w_down, *, limit=None):
     """Per (token, slot) row through its expert, weighted scatter-add back to tokens."""
+    return combine_expert_rows(x, ids, weights, lambda rows, e: expert_rows(rows, e, w_gate_up, w_down, limit=limit))
+
+
+def combine_expert_rows(x, ids, weights, rows_fn):
+    """`out[t] = sum_j weights[t, j] * rows_fn(x rows, expert ids)[t*k + j]`, in x's dtype.
+
+    `rows_fn([R, d], int32[R]) -> f32[R, d]` runs each (token, slot) row through its expert;
+    shared by the BF16 and FP8 references so both combine identically.
+    """
     t, k = ids.shape
     token_of = jnp.arange(t * k) // k
-    y = expert_rows(jnp.take(x, token_of, axis=0), ids.reshape(-1), w_gate_up, w_down, limit=limit)
+    y = rows_fn(jnp.take(x, token_of, axis=0), ids.reshape(-1))
     w = weights.reshape(-1).astype(jnp.float32)
     out = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(y * w[:, None])
     return out.astype(x.dtype)

@@ -137,12 +137,8 @@ def fp8_expert_rows(
 
 def moe_experts_fp8_reference(x, ids, weights, w_gate_up: Fp8Weight, w_down: Fp8Weight, *, limit=None):
     """Pure-JAX FP8 routed experts: per (token, slot) row, weighted scatter-add to tokens."""
-    t, k = ids.shape
-    token_of = jnp.arange(t * k) // k
-    y = fp8_expert_rows(jnp.take(x, token_of, axis=0), ids.reshape(-1), w_gate_up, w_down, limit=limit)
-    w = weights.reshape(-1).astype(jnp.float32)
-    out = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(y * w[:, None])
-    return out.astype(x.dtype)
+    return moe.combine_expert_rows(
+        x, ids, weights, lambda rows, e: fp8_expert_rows(rows, e, w_gate_up, w_down, limit=limit))
 
 
 def moe_experts_fp8(
