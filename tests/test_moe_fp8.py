@@ -124,3 +124,14 @@ def test_weight_quantiser_rejects_mismatched_down_projection():
     _, _, _, wgu, wd = problem(8)
     with pytest.raises(ValueError, match="^w_down:"):
         moe_fp8.quantize_expert_weights(wgu, wd[:, :64])
+
+
+def test_bench_quantises_in_chunks_exactly_as_in_one_call():
+    from jax_dspark.bench import moe as bench_moe
+
+    _, _, _, wgu, wd = problem(9, experts=5, hidden=256, inter=128)
+    chunked = bench_moe.quantize_experts_on_device(wgu, wd, chunk=2)  # 2 + 2 + 1 experts
+    whole = moe_fp8.quantize_expert_weights(wgu, wd)
+    for got, want in zip(chunked, whole):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))

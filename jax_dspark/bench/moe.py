@@ -158,23 +158,18 @@ def _judge(case: dict) -> dict:
 
 
 def quantize_experts_on_device(w_gate_up, w_down, chunk: int = 16):
-    """BF16 experts -> FP8 `Fp8Weight`s, `chunk` experts per jitted call.
+    """BF16 experts -> FP8 `Fp8Weight`s (`moe_fp8.quantize_expert_weights`), `chunk` experts per call.
 
     Why chunks from Python: inside one jitted `lax.map` XLA hoists the per-expert transpose
     out of the loop, and for V4-Pro that whole-tensor transpose (31.5 GiB) cannot be
     allocated next to the 51 GB of BF16 experts. A chunk's temporaries are a few GB.
     """
-    from jax_dspark.ops import fp8, moe_fp8
+    from jax_dspark.ops import moe_fp8
 
-    one = jax.jit(jax.vmap(lambda we: fp8.quantize_fp8_weight(we.T)))  # [c, K, N] -> [c, N, K], [c, N/128, K/128]
-
-    def quantize(w):
-        parts = [one(w[i:i + chunk]) for i in range(0, w.shape[0], chunk)]
-        values = jnp.concatenate([p[0] for p in parts])
-        exps = jnp.concatenate([p[1] for p in parts])
-        return moe_fp8.Fp8Weight(values, exps)
-
-    return quantize(w_gate_up), quantize(w_down)
+    one = jax.jit(moe_fp8.quantize_expert_weights)
+    parts = [one(w_gate_up[i:i + chunk], w_down[i:i + chunk]) for i in range(0, w_gate_up.shape[0], chunk)]
+    return tuple(moe_fp8.Fp8Weight(*(jnp.concatenate(fields) for fields in zip(*(p[m] for p in parts))))
+                 for m in range(2))
 
 
 def bench_case_fp8(model: str, tokens: int, weights_fp8, bf16_case: dict, bf16_out, copy_tbps: float,

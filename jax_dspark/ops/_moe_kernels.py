@@ -14,7 +14,6 @@ captures the call in a CUDA graph, which a per-call scratch allocation would not
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

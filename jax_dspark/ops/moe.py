@@ -266,13 +266,27 @@ def expert_rows(
     matmul over a contiguous block (`jax.lax.ragged_dot`).
     """
     e, _, two_i = w_gate_up.shape
+
+    def body(sorted_rows, group_sizes):
+        h = jax.lax.ragged_dot(sorted_rows, w_gate_up.astype(rows.dtype), group_sizes,
+                               preferred_element_type=jnp.float32)
+        a = swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit=limit).astype(rows.dtype)
+        return jax.lax.ragged_dot(a, w_down.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+
+    return grouped_by_expert(rows, expert_of_row, e, body)
+
+
+def grouped_by_expert(rows, expert_of_row, e: int, body):
+    """Runs `body(sorted_rows [R, d], group_sizes int32[E]) -> f32[R, d']` on rows grouped by expert.
+
+    Rows are grouped by a stable sort so each expert owns a contiguous block (what
+    `jax.lax.ragged_dot` takes); ids outside `[0, E)` sort last and give zeros; the result
+    comes back in the rows' order. Shared by the BF16 and FP8 references.
+    """
     eid = jnp.where((expert_of_row >= 0) & (expert_of_row < e), expert_of_row, e)
     order = jnp.argsort(eid, stable=True)
     group_sizes = jnp.bincount(eid, length=e + 1)[:e].astype(jnp.int32)
-    sorted_rows = jnp.take(rows, order, axis=0)
-    h = jax.lax.ragged_dot(sorted_rows, w_gate_up.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
-    a = swiglu(h[:, : two_i // 2], h[:, two_i // 2 :], limit=limit).astype(rows.dtype)
-    y = jax.lax.ragged_dot(a, w_down.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+    y = body(jnp.take(rows, order, axis=0), group_sizes)
     # Rows past the last group are not written by ragged_dot's contract: zero them explicitly.
     y = jnp.where((jnp.take(eid, order) < e)[:, None], y, 0.0)
     return jnp.zeros_like(y).at[order].set(y)

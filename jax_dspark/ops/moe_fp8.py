@@ -28,9 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dspark import _ffi
 from jax_dspark.ops import _checks, moe
-from jax_dspark.ops.fp8 import WEIGHT_BLOCK, dequantize_fp8, dequantize_fp8_weight, quantize_fp8, quantize_fp8_weight, round_to_bf16
+from jax_dspark.ops.fp8 import WEIGHT_BLOCK, dequantize_fp8_weight, fp8_round_trip, quantize_fp8_weight, round_to_bf16
 
 
 class Fp8Weight(NamedTuple):
@@ -104,12 +103,6 @@ def _validate(x, ids, weights, w_gate_up, w_down) -> None:
     moe.validate_routing(ids, e)
 
 
-def _quantized_rows(a: jax.Array) -> jax.Array:
-    """`a [R, K]` through the 1x128 quantiser and back, in bf16 (exact: e4m3 x 2^s)."""
-    values, exps = quantize_fp8(a, WEIGHT_BLOCK)
-    return dequantize_fp8(values, exps, WEIGHT_BLOCK, dtype=jnp.bfloat16)
-
-
 def fp8_expert_rows(
     rows: jax.Array, expert_of_row: jax.Array, w_gate_up: Fp8Weight, w_down: Fp8Weight, *, limit=None
 ) -> jax.Array:
@@ -122,17 +115,16 @@ def fp8_expert_rows(
     e, two_i, _ = w_gate_up.values.shape
     inter = two_i // 2
     w1, w2 = dequantize_expert_weights(w_gate_up, w_down, dtype=jnp.bfloat16)
-    eid = jnp.where((expert_of_row >= 0) & (expert_of_row < e), expert_of_row, e)
-    order = jnp.argsort(eid, stable=True)
-    group_sizes = jnp.bincount(eid, length=e + 1)[:e].astype(jnp.int32)
-    xq = _quantized_rows(jnp.take(rows, order, axis=0))
-    h = jax.lax.ragged_dot(xq, w1, group_sizes, preferred_element_type=jnp.float32)
-    h = round_to_bf16(h)  # FC1 writes bf16
-    a = moe.swiglu(h[:, :inter], h[:, inter:], limit=limit)  # f32
-    y = jax.lax.ragged_dot(_quantized_rows(a), w2, group_sizes, preferred_element_type=jnp.float32)
-    y = round_to_bf16(y)  # FC2 writes bf16
-    y = jnp.where((jnp.take(eid, order) < e)[:, None], y, 0.0)
-    return jnp.zeros_like(y).at[order].set(y)
+    quantized = lambda a: fp8_round_trip(a, WEIGHT_BLOCK).astype(jnp.bfloat16)  # exact in bf16
+
+    def body(sorted_rows, group_sizes):
+        h = jax.lax.ragged_dot(quantized(sorted_rows), w1, group_sizes, preferred_element_type=jnp.float32)
+        h = round_to_bf16(h)  # FC1 writes bf16
+        a = moe.swiglu(h[:, :inter], h[:, inter:], limit=limit)  # f32
+        y = jax.lax.ragged_dot(quantized(a), w2, group_sizes, preferred_element_type=jnp.float32)
+        return round_to_bf16(y)  # FC2 writes bf16
+
+    return moe.grouped_by_expert(rows, expert_of_row, e, body)
 
 
 def moe_experts_fp8_reference(x, ids, weights, w_gate_up: Fp8Weight, w_down: Fp8Weight, *, limit=None):
@@ -171,6 +163,6 @@ def moe_experts_fp8(
                      "Fp8Weight")
     from jax_dspark.ops import _moe_kernels
 
-    if _ffi.force_mode() != "reference" and _moe_kernels.experts_fp8_available():
+    if _moe_kernels.experts_fp8_available():
         return _moe_kernels.moe_experts_fp8(x, ids, weights, w_gate_up, w_down, limit=limit)
     return moe_experts_fp8_reference(x, ids, weights, w_gate_up, w_down, limit=limit)
