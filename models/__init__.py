@@ -26,6 +26,7 @@ _EXPORTS = {
     "ModelDrafter": "dspark_model_drafter",
     "MTPDrafter": "deepseek_v4_mtp",
     "MarkovHead": "dspark_heads",
+    "EmbeddingMarkovHead": "dspark_heads",
     "ConfidenceHead": "dspark_heads",
 }
 

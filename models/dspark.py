@@ -51,7 +51,7 @@ from jax_dspark.ops.sampling import SamplingParams
 from jax_dspark.spec.propose import Proposal, propose
 
 from . import _validate
-from .dspark_heads import ConfidenceHead, MarkovHead
+from .dspark_heads import ConfidenceHead, EmbeddingMarkovHead, MarkovHead
 from .llama import gqa_attention, rope_half_split
 
 __all__ = [
@@ -76,6 +76,10 @@ class DSparkConfig:
       rope_theta: RoPE base of the target family (half-split pairs, like the target).
       rms_eps: epsilon of every RMSNorm.
       markov_rank: r of the Markov head (0 = no Markov head).
+      markov_factors: how the Markov head stores its `[V, r]` factors: "table" (free
+        `W1`, `W2`, DSpark's and V4's layout) or "embedding" (`dspark_heads.
+        EmbeddingMarkovHead`: tied to the target's embedding and LM head through two
+        `[d, r]` maps, for a high rank within a small file).
       noise_token_id: id fed into block slots 1..g-1 (DeepSpec's `mask_token_id`).
       confidence_bias: DeepSpec's confidence head has a bias (the V4 one has none).
       dtype: parameter / activation dtype name.
@@ -93,6 +97,7 @@ class DSparkConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     markov_rank: int = 16
+    markov_factors: str = "table"
     noise_token_id: int = 0
     confidence_bias: bool = True
     dtype: str = "float32"
@@ -104,6 +109,8 @@ class DSparkConfig:
         _validate.grouped_query_heads(self.num_heads, self.num_kv_heads, self.head_dim)
         if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
             raise ValueError(f"markov_rank: must be an int >= 0 (got {self.markov_rank!r})")
+        if self.markov_factors not in ("table", "embedding"):
+            raise ValueError(f"markov_factors: must be 'table' or 'embedding' (got {self.markov_factors!r})")
         if not 0 <= self.noise_token_id < self.vocab_size:
             raise ValueError(
                 f"noise_token_id: must lie in [0, {self.vocab_size}) (got {self.noise_token_id!r})")
@@ -230,8 +237,9 @@ class DSparkDrafter(nnx.Module):
       proposal = drafter.draft(target, state, key, anchor=..., slots=..., lengths=..., sampling=...)
 
     Parameters: `fc [C*d, d]` and `hidden_norm [d]` (context projection), `layers.<name>`
-    (stacked blocks, `LAYER_PARAMS`), `final_norm [d]`, `markov` (`MarkovHead`, absent when
-    `markov_rank = 0`) and `confidence` (`ConfidenceHead` over `[h; W1[prev]]`).
+    (stacked blocks, `LAYER_PARAMS`), `final_norm [d]`, `markov` (`MarkovHead`, or
+    `EmbeddingMarkovHead` with `markov_factors="embedding"`; absent when `markov_rank = 0`)
+    and `confidence` (`ConfidenceHead` over `[h; W1[prev]]`).
 
     Per layer, the context features are projected by the SAME `wk`/`wv` as the block rows
     (after `k_norm` and RoPE at their own positions); the layer's input norm applies to the
@@ -254,12 +262,24 @@ class DSparkDrafter(nnx.Module):
         self.layers = _Layers(config, rngs)
         self.final_norm = nnx.Param(_random_param(rngs, "final_norm", (d,), dt))
         rank = config.markov_rank
-        self.markov = MarkovHead(config.vocab_size, rank, rngs=rngs) if rank else None
+        if not rank:
+            self.markov = None
+        elif config.markov_factors == "embedding":
+            self.markov = EmbeddingMarkovHead(d, rank, rngs=rngs)
+        else:
+            self.markov = MarkovHead(config.vocab_size, rank, rngs=rngs)
         self.confidence = ConfidenceHead(d, rank, rngs=rngs, use_bias=config.confidence_bias)
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def markov_head(self, target):
+        """The Markov head as `spec.propose` calls it (`embed`, `__call__`), or None:
+        the table head itself, or the embedding-tied head bound to `target`."""
+        if isinstance(self.markov, EmbeddingMarkovHead):
+            return self.markov.bind(target)
+        return self.markov
 
     # -- state ---------------------------------------------------------------------------
 
@@ -409,7 +429,7 @@ class DSparkDrafter(nnx.Module):
         h = self.backbone(target, state, anchor=anchor, slots=slots, lengths=lengths)
         base_logits = shared_unembed(target, h)
         return propose(key, base_logits, jnp.asarray(anchor, jnp.int32), sampling,
-                       markov=self.markov, hidden=h, confidence=self.confidence)
+                       markov=self.markov_head(target), hidden=h, confidence=self.confidence)
 
 
 def tiny_dspark(target_config, seed: int = 1, **overrides) -> DSparkDrafter:

@@ -204,3 +204,10 @@ def test_standalone_block_is_non_causal(llama_target, llama_drafter):
     state = _commit(llama_drafter, llama_target, llama_drafter.init_state(B, MAX_LEN),
                     _hiddens(7, S, llama_target.config), slots=[0, 1], starts=[0, 0], counts=[4, 6])
     _assert_non_causal(llama_drafter, llama_target, state, lengths=[4, 6])
+
+
+def test_standalone_drafter_with_embedding_markov_head_is_lossless(llama_target, greedy_errors):
+    drafter = tiny_dspark(llama_target.config, seed=4, markov_rank=8, markov_factors="embedding")
+    spec = generate(llama_target, drafter, PROMPTS, max_new_tokens=9, seed=0)
+    assert greedy_errors(llama_target, PROMPTS, spec.tokens) == []
+    assert spec.stats.verify_rate == 1.0 and len(spec.stats.per_position_acceptance) == drafter.block_size

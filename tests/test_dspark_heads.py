@@ -85,3 +85,45 @@ def test_confidence_head_rejects_wrong_hidden_width():
 def test_markov_head_rejects_empty_sizes(vocab, rank):
     with pytest.raises(ValueError):
         MarkovHead(vocab, rank, rngs=nnx.Rngs(0))
+
+
+def _embedding_markov(seed: int = 0):
+    from jax_dspark.models.llama import TINY, tiny_llama
+
+    from jax_dspark.models.dspark_heads import EmbeddingMarkovHead
+
+    target = tiny_llama(0)
+    head = EmbeddingMarkovHead(TINY.hidden_size, 5, rngs=nnx.Rngs(seed))
+    return target, head, head.bind(target)
+
+
+def test_embedding_markov_bias_is_lm_head_of_projected_predecessor_embedding():
+    target, head, bound = _embedding_markov()
+    prev = jnp.array([[1, 7], [30, 2]], jnp.int32)
+    e = np.asarray(target.embedding[...], np.float64)[np.asarray(prev)]
+    p1, p2 = np.asarray(head.p1[...], np.float64), np.asarray(head.p2[...], np.float64)
+    lm = np.asarray(target.embedding[...] if target.lm_head is None else target.lm_head[...].T, np.float64)
+    want = (e @ p1 @ p2.T) @ lm.T
+    assert bound(prev).dtype == jnp.float32
+    got = np.asarray(bound(prev), np.float64)
+    assert got.shape == (2, 2, target.config.vocab_size)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(bound.embed(prev)), e @ p1, rtol=1e-5, atol=1e-6)
+    assert bound.rank == 5 and bound.vocab_size == target.config.vocab_size
+
+
+@pytest.mark.parametrize("prev", [-1, 10**6])
+def test_embedding_markov_bias_is_zero_for_out_of_vocab_predecessor(prev):
+    _, _, bound = _embedding_markov()
+    assert not np.any(np.asarray(bound(jnp.array([prev]))))
+    assert not np.any(np.asarray(bound.embed(jnp.array([prev]))))
+
+
+def test_embedding_markov_head_is_the_vanilla_head_with_tied_tables():
+    """W1 = E P1 and W2^T = unembed(P2^T) in a plain MarkovHead give the same bias."""
+    target, head, bound = _embedding_markov(3)
+    table = MarkovHead(target.config.vocab_size, 5, rngs=nnx.Rngs(0))
+    table.w1[...] = target.embedding[...] @ head.p1[...]
+    table.w2[...] = target.unembed(head.p2[...].T).T
+    prev = jnp.arange(0, target.config.vocab_size, 7, dtype=jnp.int32)
+    np.testing.assert_allclose(np.asarray(bound(prev)), np.asarray(table(prev)), rtol=1e-4, atol=1e-5)

@@ -13,7 +13,7 @@ from jax_dspark.drafters._safetensors import load_safetensors, save_safetensors
 from jax_dspark.models.dspark import tiny_dspark
 from jax_dspark.models.llama import TINY, tiny_llama
 from jax_dspark.train.data import pack_sequences
-from jax_dspark.train.trainer import TrainConfig, learning_rate, make_batches, train
+from jax_dspark.train.trainer import TrainConfig, learning_rate, make_batches, train, train_many
 
 
 def _random_data(seed=0, n=6, seq_len=40):
@@ -69,8 +69,36 @@ def test_training_steps_reduce_the_loss():
     assert losses[-1] < 0.85 * losses[0], losses
 
 
-def test_saved_drafter_loads_with_the_bf16_rounded_weights(tmp_path):
-    drafter = tiny_dspark(TINY, seed=5, block_size=3, num_layers=1, markov_rank=4)
+def test_drafters_trained_together_match_each_trained_alone():
+    """One shared target forward per step changes nothing: same batches, same updates."""
+    target = tiny_llama(0)
+    cfg = TrainConfig(steps=6, batch_size=3, num_anchors=4, learning_rate=3e-3, warmup_steps=2, log_every=3)
+    kinds = [dict(markov_rank=4), dict(markov_rank=0), dict(markov_rank=6, markov_factors="embedding")]
+    make = [lambda k=k: tiny_dspark(TINY, seed=3, block_size=3, num_layers=1, **k) for k in kinds]
+    together = [m() for m in make]
+    results = train_many(target, together, _random_data(), cfg)
+    assert [r.steps for r in results] == [6, 6, 6] and all(len(r.history) == 2 for r in results)
+    for m, joint, result in zip(make, together, results):
+        alone = m()
+        single = train(target, alone, _random_data(), cfg)
+        np.testing.assert_allclose([h["loss"] for h in result.history], [h["loss"] for h in single.history],
+                                   rtol=2e-4)
+        for a, b in zip(jax.tree_util.tree_leaves(nnx.state(joint, nnx.Param)),
+                        jax.tree_util.tree_leaves(nnx.state(alone, nnx.Param))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
+    assert results[0].history[-1]["loss"] != results[1].history[-1]["loss"]
+
+
+def test_drafters_trained_together_need_one_block_size():
+    target = tiny_llama(0)
+    pair = [tiny_dspark(TINY, block_size=3, num_layers=1), tiny_dspark(TINY, block_size=4, num_layers=1)]
+    with pytest.raises(ValueError, match="block size"):
+        train_many(target, pair, _random_data(), TrainConfig(steps=1))
+
+
+@pytest.mark.parametrize("factors", ["table", "embedding"])
+def test_saved_drafter_loads_with_the_bf16_rounded_weights(tmp_path, factors):
+    drafter = tiny_dspark(TINY, seed=5, block_size=3, num_layers=1, markov_rank=4, markov_factors=factors)
     save_drafter(drafter, tmp_path / "d", {"command": "test"})
     loaded = load_drafter(tmp_path / "d")
     assert loaded.config == drafter.config

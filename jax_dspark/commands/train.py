@@ -3,9 +3,9 @@
 Steps: build eval-disjoint prompts (`train.prompts`), let the target answer them (greedy
 and/or sampled, `--response-temperatures`), pack prompt + answer rows, then optimise the
 drafter with `train.trainer` (0.1 CE + 0.9 TV + 1.0 BCE, AdamW, clip 1.0). The generated
-sequences can be saved and reused (`--data`), so the DSpark drafter and its Markov-off
-ablation (`--markov-rank 0`) train on identical data. The output is a drafter in the
-package format (`jax_dspark.drafters`): bf16 safetensors + JSON holding the config, the
+sequences can be saved and reused (`--data`); several `--markov-rank` values train the
+DSpark drafter and its Markov-off ablation (`0`) together, on identical batches. The
+output is a drafter in the package format (`jax_dspark.drafters`): bf16 safetensors + JSON holding the config, the
 exact command that reproduces it (with the step count a `--time-budget` run settled on)
 and the training history.
 
@@ -35,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--intermediate-size", type=int, default=768)
     g.add_argument("--markov-rank", type=int, nargs="+", default=[24],
                    help="0 = no Markov head (DFlash-like ablation); several values train several drafters "
-                        "on the same data, one after the other, their steps compiled together")
+                        "together, on the same batches and one shared target forward per step")
+    g.add_argument("--markov-factors", nargs="+", choices=("table", "embedding"), default=["table"],
+                   help="Markov head storage, one value for all or one per --markov-rank: 'table' (free "
+                        "[V, r] tables) or 'embedding' (tied to the target's embedding through [d, r] maps)")
     d = parser.add_argument_group("data")
     d.add_argument("--prompts", type=int, default=2400, help="prompts asked of train.prompts.training_prompts")
     d.add_argument("--prompt-seed", type=int, default=0)
@@ -106,12 +109,13 @@ def _build_data(args, target, encode, eos_ids):
     return pack_sequences(all_prompts, all_answers, seq_len=args.seq_len)
 
 
-def reproduce_command(args, *, steps: int, markov_rank: int, out: str) -> str:
+def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str, out: str) -> str:
     """The `jax-dspark train` command line that reruns one drafter's training with `steps`
     fixed (what a `--time-budget` run settled on)."""
     parts = ["jax-dspark", "train", "--target", args.target, "--out", out]
     parts += ["--block-size", args.block_size, "--num-layers", args.num_layers,
               "--intermediate-size", args.intermediate_size, "--markov-rank", markov_rank,
+              "--markov-factors", markov_factors,
               "--prompts", args.prompts, "--prompt-seed", args.prompt_seed,
               "--max-prompt-len", args.max_prompt_len, "--max-new-tokens", args.max_new_tokens,
               "--seq-len", args.seq_len, "--response-temperatures", *args.response_temperatures,
@@ -128,10 +132,14 @@ def run(args: argparse.Namespace) -> int:
     from jax_dspark.drafters import save_drafter
     from jax_dspark.models.dspark import DSparkConfig, DSparkDrafter
     from jax_dspark.train.data import load_sequences, save_sequences
-    from jax_dspark.train.trainer import TrainConfig, precompile, train
+    from jax_dspark.train.trainer import TrainConfig, precompile, train_many
 
     if not args.data_only and (not args.out or len(args.out) != len(args.markov_rank)):
         raise ValueError(f"--out: need one path per --markov-rank {args.markov_rank} (got {args.out})")
+    factors = args.markov_factors * len(args.markov_rank) if len(args.markov_factors) == 1 else args.markov_factors
+    if len(factors) != len(args.markov_rank):
+        raise ValueError(f"--markov-factors: need one value, or one per --markov-rank {args.markov_rank} "
+                         f"(got {args.markov_factors})")
     t0 = time.perf_counter()
     target, encode, eos_ids, description = _target(args.target)
     _log(f"target {description} loaded in {time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}")
@@ -152,19 +160,19 @@ def run(args: argparse.Namespace) -> int:
                         learning_rate=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                         seed=args.seed, time_budget_s=args.time_budget, log_every=args.log_every)
     drafters = []
-    for rank in args.markov_rank:
+    for rank, factor in zip(args.markov_rank, factors):
         config = DSparkConfig.for_target(
             target.config, block_size=args.block_size, num_layers=args.num_layers,
-            intermediate_size=args.intermediate_size, markov_rank=rank, dtype="float32")
+            intermediate_size=args.intermediate_size, markov_rank=rank, markov_factors=factor, dtype="float32")
         drafters.append(DSparkDrafter(config, rngs=nnx.Rngs(args.seed)))
-    _log(f"compiled {len(drafters)} training steps in {precompile(target, drafters, data, tconf):.1f} s")
+    _log(f"compiled the joint step of {len(drafters)} drafters in {precompile(target, drafters, data, tconf):.1f} s")
+    _log("training " + ", ".join(f"markov_rank={r} ({f}) -> {o}" for r, f, o in zip(args.markov_rank, factors, args.out)))
+    results = train_many(target, drafters, data, tconf, log=_log)
     summaries = []
-    for rank, out, drafter in zip(args.markov_rank, args.out, drafters):
-        _log(f"training markov_rank={rank} -> {out}")
-        result = train(target, drafter, data, tconf, log=_log)
+    for rank, factor, out, drafter, result in zip(args.markov_rank, factors, args.out, drafters, results):
         meta = dict(
             target=description,
-            command=reproduce_command(args, steps=result.steps, markov_rank=rank, out=out),
+            command=reproduce_command(args, steps=result.steps, markov_rank=rank, markov_factors=factor, out=out),
             training=dict(
                 steps=result.steps, train_s=round(result.train_s, 2), first_step_s=round(result.compile_s, 2),
                 device=jax.devices()[0].device_kind, jax=jax.__version__, python=sys.version.split()[0],

@@ -56,7 +56,16 @@ _TOPICS = ["photosynthesis", "compound interest", "the water cycle", "binary sea
            "operating systems", "chess openings", "the Olympic Games", "memory and learning",
            "glaciers", "taxes", "spreadsheets", "bird migration", "unit testing", "music theory",
            "the Industrial Revolution", "nutrition", "version control", "lightning", "mushrooms",
-           "photography", "databases", "first aid", "the metric system", "magnets", "urban gardening"]
+           "photography", "databases", "first aid", "the metric system", "magnets", "urban gardening",
+           "jazz", "the Great Wall of China", "solar panels", "dinosaurs", "public speaking", "rivers",
+           "credit scores", "wind turbines", "honeybees and pollination", "the periodic table", "yoga",
+           "the Cold War", "quantum computing", "deserts", "social media", "healthy breakfast habits",
+           "cloud computing", "the Amazon river", "penguins", "the scientific method", "origami",
+           "marathon training", "electric circuits", "ancient Egypt", "minimalism", "3D printing",
+           "the human brain", "volunteering", "board games", "the speed of light", "chocolate",
+           "remote work", "tsunamis", "the history of writing", "robots", "vitamins", "hiking safety",
+           "cryptocurrency", "the ozone layer", "learning a new language", "forests", "smartphones",
+           "the Olympic marathon", "friendship", "job interviews", "saving money", "owls", "rainbows"]
 _PAIRS = [("cats", "dogs"), ("Python", "JavaScript"), ("tea", "coffee"), ("trains", "planes"),
           ("renting", "buying a home"), ("email", "phone calls"), ("solar power", "wind power"),
           ("books", "films"), ("cities", "the countryside"), ("TCP", "UDP"), ("lists", "tuples")]
@@ -73,6 +82,18 @@ _TASKS = [
     "Write a short story in which a child learns about {topic}.",
     "List five questions a student might ask about {topic}, with brief answers.",
     "Give step-by-step advice for someone who wants to learn about {topic}.",
+    "Write a blog post introduction about {topic}.",
+    "Imagine you are a museum guide. Describe an exhibit about {topic}.",
+    "Explain {topic} using an everyday analogy.",
+    "Write a dialogue between a teacher and a student about {topic}.",
+    "What would the world look like without {topic}? Answer in a short essay.",
+    "Create a short quiz with three multiple-choice questions about {topic}.",
+    "Describe the history of {topic} in a few paragraphs.",
+    "Write a persuasive paragraph arguing that everyone should learn about {topic}.",
+    "Give a one-week plan for a beginner to get started with {topic}.",
+    "Write a haiku and then a limerick about {topic}.",
+    "Which is better for a small town, {a} or {b}? Explain your reasoning.",
+    "Write a product description for a book about {topic}.",
 ]
 
 

@@ -16,6 +16,9 @@ One step, all inside one jitted function:
    `[anchor, y_1 .. y_{g-1}]`; confidence logits read the same predecessor embedding;
 5. `losses.dspark_loss` (0.1 CE + 0.9 TV + 1.0 BCE, weights exp(-k/4)).
 
+Several drafters (`train_many`, e.g. DSpark and its Markov-off ablation) train in the same
+step: step 1 runs once, steps 2-5 once per drafter, on the same batch.
+
 Optimiser: AdamW (optax `scale_by_adam` + decoupled weight decay) after global-norm
 clipping; the learning rate is a host-side schedule (linear warmup, cosine decay to 0)
 passed into the step as an argument, so the total step count can be fixed AFTER timing
@@ -42,7 +45,8 @@ from jax_dspark.train.anchors import block_labels, sample_anchors
 from jax_dspark.train.data import SequenceData, teacher_forced
 from jax_dspark.train.losses import LossWeights, dspark_loss
 
-__all__ = ["TrainConfig", "TrainResult", "drafter_loss", "learning_rate", "make_batches", "precompile", "train"]
+__all__ = ["TrainConfig", "TrainResult", "drafter_loss", "learning_rate", "make_batches", "precompile", "train",
+           "train_many"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +123,8 @@ def drafter_loss(
     labels: jax.Array,
     valid: jax.Array,
     weights: LossWeights = LossWeights(),
+    *,
+    teacher: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DSpark loss of a batch of whole sequences with many anchors each.
 
@@ -129,13 +135,16 @@ def drafter_loss(
       anchors: `i32[B, A]` anchor positions (-1 = padding anchor).
       labels: `i32[B, A, g]` tokens a+1 .. a+g; valid: `bool[B, A, g]` contiguous prefix.
       weights: loss weights.
+      teacher: `(logits, hiddens)` of `data.teacher_forced(target, tokens, lengths)` when
+        the caller already ran it (several drafters trained on one target forward);
+        computed here when None.
     Returns:
       `(loss, metrics)` as `losses.dspark_loss`.
     """
     b, s = tokens.shape
     a = anchors.shape[1]
     g = drafter.block_size
-    logits, hiddens = teacher_forced(target, tokens, lengths)
+    logits, hiddens = teacher if teacher is not None else teacher_forced(target, tokens, lengths)
     slots = jnp.arange(b, dtype=jnp.int32)
     state = drafter.init_state(b, s)
     state = drafter.commit(target, state, tokens=tokens, hiddens=hiddens, slots=slots,
@@ -149,30 +158,40 @@ def drafter_loss(
     valid = valid.reshape(b * a, g)
     prev = jnp.concatenate([anchor_tok[:, None], labels[:, :-1]], axis=1)   # teacher forcing
     prev_embedding = None
-    if drafter.markov is not None:
-        draft = draft + drafter.markov(prev)
-        prev_embedding = drafter.markov.embed(prev)
+    markov = drafter.markov_head(target)
+    if markov is not None:
+        draft = draft + markov(prev)
+        prev_embedding = markov.embed(prev)
     confidence = drafter.confidence(h, prev_embedding)
     t_pos = jnp.clip(pos[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :], 0, s - 1)
     target_logits = logits[rows[:, None], t_pos]                             # [N, g, V]
     return dspark_loss(draft, target_logits, labels, valid, confidence, weights)
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "tx", "weights"),
-                   donate_argnames=("d_params", "opt_state"))
-def _train_step(t_params, d_params, opt_state, lr, tokens, lengths, anchors, labels, valid, *,
-                t_graph, d_graph, tx, weights):
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graphs", "tx", "weights"),
+                   donate_argnames=("d_params", "opt_states"))
+def _train_step(t_params, d_params, opt_states, lr, tokens, lengths, anchors, labels, valid, *,
+                t_graph, d_graphs, tx, weights):
+    """One step of every drafter in `d_graphs` on the same batch and ONE target forward.
+
+    The drafters' losses are independent (disjoint parameters), so each gets exactly the
+    gradient it would get alone; clipping and Adam state stay per drafter.
+    """
     target = nnx.merge(t_graph, t_params)
+    teacher = jax.lax.stop_gradient(teacher_forced(target, tokens, lengths))
+    new_params, new_states, all_metrics = [], [], []
+    for d_graph, params, opt_state in zip(d_graphs, d_params, opt_states):
+        def loss_fn(p, d_graph=d_graph):
+            drafter = nnx.merge(d_graph, p)
+            return drafter_loss(target, drafter, tokens, lengths, anchors, labels, valid, weights, teacher=teacher)
 
-    def loss_fn(params):
-        drafter = nnx.merge(d_graph, params)
-        return drafter_loss(target, drafter, tokens, lengths, anchors, labels, valid, weights)
-
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(d_params)
-    updates, opt_state = tx.update(grads, opt_state, d_params)
-    d_params = jax.tree_util.tree_map(lambda p, u: p - (lr * u).astype(p.dtype), d_params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=_global_norm(grads))
-    return d_params, opt_state, metrics
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree_util.tree_map(lambda p, u: p - (lr * u).astype(p.dtype), params, updates)
+        new_params.append(params)
+        new_states.append(opt_state)
+        all_metrics.append(dict(metrics, loss=loss, grad_norm=_global_norm(grads)))
+    return tuple(new_params), tuple(new_states), tuple(all_metrics)
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,23 +205,24 @@ def _optimizer(grad_clip: float, weight_decay: float):
 
 
 def precompile(target, drafters, data: SequenceData, config: TrainConfig) -> float:
-    """Compile the training step of every drafter at once, in threads (XLA compiles
-    outside the Python lock); `train` then finds them compiled. Returns the wall time."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Compile the joint training step of `drafters` (as `train_many` runs it); `train_many`
+    then finds it compiled. Returns the wall time."""
     t_graph, t_params = nnx.split(target)
     tx = _optimizer(config.grad_clip, config.weight_decay)
-
-    def build(drafter):
-        d_graph, d_params = nnx.split(drafter)
-        batch = next(make_batches(data, config, drafter.block_size))
-        _train_step.lower(t_params, d_params, tx.init(d_params), jnp.float32(0.0), *map(jnp.asarray, batch),
-                          t_graph=t_graph, d_graph=d_graph, tx=tx, weights=config.loss).compile()
-
+    graphs, params = zip(*(nnx.split(d) for d in drafters))
+    batch = next(make_batches(data, config, _common_block_size(drafters)))
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, len(drafters))) as pool:
-        list(pool.map(build, drafters))
+    _train_step.lower(t_params, params, tuple(tx.init(p) for p in params), jnp.float32(0.0),
+                      *map(jnp.asarray, batch), t_graph=t_graph, d_graphs=graphs, tx=tx,
+                      weights=config.loss).compile()
     return time.perf_counter() - t0
+
+
+def _common_block_size(drafters) -> int:
+    sizes = {d.block_size for d in drafters}
+    if len(sizes) != 1:
+        raise ValueError(f"drafters: trained together they need one block size (got {sorted(sizes)})")
+    return sizes.pop()
 
 
 def _global_norm(tree) -> jax.Array:
@@ -229,57 +249,75 @@ def make_batches(data: SequenceData, config: TrainConfig, block_size: int):
 
 def train(target, drafter, data: SequenceData, config: TrainConfig,
           log: Callable[[str], None] | None = None) -> TrainResult:
-    """Train `drafter` in place against the frozen `target` on `data`.
+    """Train `drafter` in place against the frozen `target` on `data` (`train_many` of one)."""
+    return train_many(target, [drafter], data, config, log=log)[0]
 
-    Returns the logged history; the drafter's parameters are updated through `nnx.update`.
+
+def train_many(target, drafters, data: SequenceData, config: TrainConfig,
+               log: Callable[[str], None] | None = None) -> list[TrainResult]:
+    """Train every drafter in `drafters` in place, together, against the frozen `target`.
+
+    Each step runs the target forward once for the batch and steps every drafter on it, so
+    an ablation pair sees identical batches, anchors and learning rates, and the expensive
+    target forward is shared. The batches depend only on `config.seed` and `data`, never
+    on how many drafters train, so training one drafter alone with the same step count
+    reproduces its schedule. Returns one `TrainResult` per drafter (shared step count and
+    time); parameters are updated through `nnx.update`.
     """
     if data.num_sequences < 1:
         raise ValueError("data: needs at least one sequence (got none)")
     if not np.any(data.loss_mask[:, :-1] & data.loss_mask[:, 1:]):
         raise ValueError("data: no sequence has two consecutive answer tokens to anchor on")
+    if not drafters:
+        raise ValueError("drafters: need at least one (got none)")
     log = log or (lambda _msg: None)
     t_graph, t_params = nnx.split(target)
-    d_graph, d_params = nnx.split(drafter)
-    d_params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), d_params)
+    graphs, params = zip(*(nnx.split(d) for d in drafters))
+    d_params = tuple(jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), p) for p in params)
     tx = _optimizer(config.grad_clip, config.weight_decay)
-    opt_state = tx.init(d_params)
-    batches = make_batches(data, config, drafter.block_size)
+    opt_states = tuple(tx.init(p) for p in d_params)
+    batches = make_batches(data, config, _common_block_size(drafters))
     total = config.steps
     probe = min(10, max(config.warmup_steps, 1), total)
-    history: list[dict[str, float]] = []
-    window: list[dict[str, Any]] = []
-    compile_s = train_s = 0.0
+    histories: list[list[dict[str, float]]] = [[] for _ in drafters]
+    window: list[tuple[dict[str, Any], ...]] = []
+    lrs: list[float] = []
+    compile_s = 0.0
     t_start = None
     step = 0
     while step < total:
         batch = next(batches)
         lr = learning_rate(step, total, config)
         t0 = time.perf_counter()
-        d_params, opt_state, metrics = _train_step(
-            t_params, d_params, opt_state, jnp.float32(lr), *map(jnp.asarray, batch),
-            t_graph=t_graph, d_graph=d_graph, tx=tx, weights=config.loss)
-        window.append(dict(metrics, lr=lr))
+        d_params, opt_states, metrics = _train_step(
+            t_params, d_params, opt_states, jnp.float32(lr), *map(jnp.asarray, batch),
+            t_graph=t_graph, d_graphs=graphs, tx=tx, weights=config.loss)
+        window.append(metrics)
+        lrs.append(lr)
         step += 1
         if step == 1:
-            jax.block_until_ready(metrics["loss"])
+            jax.block_until_ready(metrics[0]["loss"])
             compile_s = time.perf_counter() - t0
             t_start = time.perf_counter()
             log(f"step 1 ran in {compile_s:.1f} s (compilation included unless precompiled)")
         elif step == probe + 1 and config.time_budget_s is not None:
-            jax.block_until_ready(metrics["loss"])
+            jax.block_until_ready(metrics[0]["loss"])
             per_step = (time.perf_counter() - t_start) / (step - 1)
             fit = step + int((config.time_budget_s - (time.perf_counter() - t_start)) / per_step)
             total = max(step, min(config.steps, fit))
             log(f"{per_step * 1000:.1f} ms/step; training for {total} steps within {config.time_budget_s:.0f} s")
         if step % config.log_every == 0 or step == total:
             fetched = jax.device_get(window)
-            mean = {k: float(np.mean([w[k] for w in fetched])) for k in fetched[0] if k != "weight"}
-            mean["step"] = step
-            mean["seconds"] = time.perf_counter() - (t_start or t0)
-            history.append(mean)
-            window = []
-            log(" ".join(f"{k}={v:.4g}" for k, v in mean.items()))
+            seconds = time.perf_counter() - (t_start or t0)
+            for k, history in enumerate(histories):
+                rows = [w[k] for w in fetched]
+                mean = {name: float(np.mean([r[name] for r in rows])) for name in rows[0] if name != "weight"}
+                mean.update(lr=float(np.mean(lrs)), step=step, seconds=seconds)
+                history.append(mean)
+                log(f"[{k}] " + " ".join(f"{name}={v:.4g}" for name, v in mean.items()))
+            window, lrs = [], []
     jax.block_until_ready(d_params)
     train_s = time.perf_counter() - (t_start or time.perf_counter())
-    nnx.update(drafter, d_params)
-    return TrainResult(history=history, steps=step, train_s=train_s, compile_s=compile_s)
+    for drafter, p in zip(drafters, d_params):
+        nnx.update(drafter, p)
+    return [TrainResult(history=h, steps=step, train_s=train_s, compile_s=compile_s) for h in histories]
