@@ -281,6 +281,34 @@ class DSparkDrafter(nnx.Module):
             return self.markov.bind(target)
         return self.markov
 
+    def with_markov_tables(self, target) -> "DSparkDrafter":
+        """This drafter with an embedding-tied Markov head turned into free tables
+        `W1 = E @ P1`, `W2^T = unembed(P2^T)` (the same bias), for decoding.
+
+        The tied head costs one LM-head product (`d x V`) per draft position; the tables
+        cost `r x V`, and nothing depends on the target's tables at decode time. Returns
+        `self` when the head is already a table (or absent). The result's config says
+        `markov_factors="table"`; it shares no arrays with `self`.
+        """
+        if not isinstance(self.markov, EmbeddingMarkovHead):
+            return self
+        vocab = self.config.vocab_size
+        if getattr(getattr(target, "config", None), "vocab_size", None) != vocab:
+            raise ValueError(f"target: vocab_size must be the drafter's {vocab} "
+                             f"(got {getattr(getattr(target, 'config', None), 'vocab_size', None)!r})")
+        dt = self.config.jnp_dtype
+        bound = self.markov.bind(target)
+        w1 = bound.embed(jnp.arange(vocab, dtype=jnp.int32)).astype(dt)                 # [V, r]
+        w2 = target.unembed(self.markov.p2[...].astype(jnp.float32).T).T.astype(dt)     # [V, r]
+        config = dataclasses.replace(self.config, markov_factors="table")
+        new = nnx.eval_shape(lambda: DSparkDrafter(config, rngs=nnx.Rngs(0)))
+        values = nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        values["markov"] = {"w1": w1, "w2": w2}
+        state = nnx.state(new, nnx.Param)
+        nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), values))
+        nnx.update(new, state)
+        return new
+
     # -- state ---------------------------------------------------------------------------
 
     def init_state(self, num_slots: int, max_len: int) -> DSparkState:

@@ -211,3 +211,16 @@ def test_standalone_drafter_with_embedding_markov_head_is_lossless(llama_target,
     spec = generate(llama_target, drafter, PROMPTS, max_new_tokens=9, seed=0)
     assert greedy_errors(llama_target, PROMPTS, spec.tokens) == []
     assert spec.stats.verify_rate == 1.0 and len(spec.stats.per_position_acceptance) == drafter.block_size
+
+
+def test_embedding_markov_drafter_drafts_the_same_with_materialised_tables(llama_target):
+    tied = tiny_dspark(llama_target.config, seed=6, markov_rank=8, markov_factors="embedding")
+    tables = tied.with_markov_tables(llama_target)
+    assert tables.config.markov_factors == "table" and tables.markov.w1.shape == (llama_target.config.vocab_size, 8)
+    state = _commit(tied, llama_target, tied.init_state(B, MAX_LEN), _hiddens(8, S, llama_target.config),
+                    slots=[0, 1], starts=[0, 0], counts=[6, 9])
+    a_logits, a_conf = _draft(tied, llama_target, state, lengths=[6, 9])
+    b_logits, b_conf = _draft(tables, llama_target, state, lengths=[6, 9])
+    np.testing.assert_allclose(b_logits, a_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(b_conf, a_conf, rtol=1e-4, atol=1e-4)
+    assert tiny_dspark(llama_target.config, markov_rank=4).with_markov_tables(llama_target).config.markov_factors == "table"

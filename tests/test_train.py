@@ -102,6 +102,8 @@ def test_saved_drafter_loads_with_the_bf16_rounded_weights(tmp_path, factors):
     save_drafter(drafter, tmp_path / "d", {"command": "test"})
     loaded = load_drafter(tmp_path / "d")
     assert loaded.config == drafter.config
+    for_decoding = load_drafter(tmp_path / "d", target=tiny_llama(0))
+    assert for_decoding.config.markov_factors == "table"
     want = jax.tree_util.tree_leaves(nnx.state(drafter, nnx.Param))
     got = jax.tree_util.tree_leaves(nnx.state(loaded, nnx.Param))
     for w, g in zip(want, got):

@@ -106,8 +106,8 @@ def _setup(args):
         def encode(text: str) -> list[int]:
             return tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
-        make = {"dspark": lambda: load_drafter(args.dspark_path),
-                "markov-off": lambda: load_drafter(args.markov_off_path)}
+        make = {"dspark": lambda: load_drafter(args.dspark_path, target=target),
+                "markov-off": lambda: load_drafter(args.markov_off_path, target=target)}
     drafters = {name: (None if name == "none" else make[name]()) for name in DRAFTERS if name in names}
     return target, encode, eos, drafters
 

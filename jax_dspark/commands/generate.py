@@ -129,7 +129,7 @@ def smollm2_target(seed: int) -> GenerateTarget:
         cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
         return tokenizer.decode(list(ids[:cut]))
 
-    return GenerateTarget(target, load_drafter("smollm2_dspark"), encode, decode,
+    return GenerateTarget(target, load_drafter("smollm2_dspark", target=target), encode, decode,
                           "SmolLM2 BPE (ChatML template, one user turn)", eos)
 
 

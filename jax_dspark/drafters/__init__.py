@@ -107,13 +107,18 @@ def save_drafter(drafter, path: str | os.PathLike[str], meta: dict[str, Any]) ->
     return weights, info
 
 
-def load_drafter(name_or_path: str | os.PathLike[str] = "smollm2_dspark", *, dtype: str = "float32"):
+def load_drafter(name_or_path: str | os.PathLike[str] = "smollm2_dspark", *, dtype: str = "float32",
+                 target=None):
     """A `DSparkDrafter` with the saved weights (upcast from bf16 to `dtype`).
 
     Args:
       name_or_path: a shipped name (see `available()`) or a path to `<stem>.safetensors`
         with its `<stem>.json`.
       dtype: compute / parameter dtype ("float32" or "bfloat16").
+      target: the target the drafter will decode with; given, an embedding-tied Markov
+        head is turned into free tables once here (`DSparkDrafter.with_markov_tables`:
+        the same bias, cheaper per draft position). Without it the drafter is returned
+        as stored (what training and saving need).
     Raises:
       ValueError: unknown drafter, or weights that do not match the stored config.
     """
@@ -140,4 +145,4 @@ def load_drafter(name_or_path: str | os.PathLike[str] = "smollm2_dspark", *, dty
         values[name] = jnp.asarray(np.asarray(tensors[name], np.float32), abstract.dtype)
     nnx.replace_by_pure_dict(state, _unflatten(values))
     nnx.update(model, state)
-    return model
+    return model if target is None else model.with_markov_tables(target)
