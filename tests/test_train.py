@@ -139,3 +139,18 @@ def test_shipped_drafters_fit_16_mib_and_load_with_block_7(name):
     drafter = load_drafter(name)
     assert drafter.block_size == 7
     assert (drafter.markov is None) == (name == "smollm2_markov_off")
+
+
+def test_init_continues_from_a_saved_drafter_and_rejects_another_config(tmp_path):
+    from jax_dspark.commands.train import _initial
+
+    drafter = tiny_dspark(TINY, seed=5, block_size=3, num_layers=1, markov_rank=4, markov_factors="embedding")
+    save_drafter(drafter, tmp_path / "d", {"command": "test"})
+    start = _initial(str(tmp_path / "d"), drafter.config)
+    np.testing.assert_array_equal(np.asarray(start.markov.p1[...]),
+                                  np.asarray(drafter.markov.p1[...]).astype(ml_dtypes.bfloat16).astype(np.float32))
+    import dataclasses
+
+    with pytest.raises(ValueError, match="markov_rank"):
+        _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_rank=8))
+

@@ -21,6 +21,25 @@ def test_training_prompts_are_deterministic_distinct_and_mixed():
     assert sum("Python function" in p for p in a) > 50
 
 
+def test_code_methods_add_class_method_prompts_whose_source_parses():
+    import ast
+
+    plain = prompts.training_prompts(3000, seed=0, mix=(0, 1, 0))
+    more = prompts.training_prompts(3000, seed=0, mix=(0, 1, 0), code_methods=True)
+    assert len(more) > 1.5 * len(plain)
+    methods = [p for p in more if p.startswith("Write a Python function `") and "." in p.split("`")[1].split("(")[0]]
+    assert methods
+    for p in more:
+        if p.startswith("Explain what this Python function does"):
+            ast.parse(p.split("```python\n", 1)[1].rsplit("\n```", 1)[0])
+
+
+@pytest.mark.parametrize("mix", [(1, 1), (-1, 1, 1), (0, 0, 0)])
+def test_training_prompts_reject_a_bad_mix(mix):
+    with pytest.raises(ValueError, match="mix"):
+        prompts.training_prompts(10, mix=mix)
+
+
 @pytest.mark.skipif(not os.path.isdir(SHARED), reason="shared/data/prompts not beside the checkout")
 def test_training_prompts_share_no_prompt_with_the_eval_sets():
     evals = set()

@@ -22,6 +22,8 @@ import shlex
 import sys
 import time
 
+DEFAULT_MIX = (0.4, 0.35, 0.25)   # `train.prompts.training_prompts`' default shares
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2")
@@ -42,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("data")
     d.add_argument("--prompts", type=int, default=2400, help="prompts asked of train.prompts.training_prompts")
     d.add_argument("--prompt-seed", type=int, default=0)
+    d.add_argument("--prompt-mix", type=float, nargs=3, default=list(DEFAULT_MIX), metavar=("MATH", "CODE", "TEXT"),
+                   help="shares of math / code / instruction prompts (a source that runs out yields fewer)")
+    d.add_argument("--code-methods", action="store_true",
+                   help="code prompts also from the stdlib classes' documented methods (about 3x as many)")
     d.add_argument("--max-prompt-len", type=int, default=256)
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--seq-len", type=int, default=512)
@@ -56,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--warmup-steps", type=int, default=40)
     o.add_argument("--weight-decay", type=float, default=0.0)
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--init", nargs="+", help="start from these drafters (name or path; one per --out, same config) "
+                   "instead of random weights, to continue a training run")
     o.add_argument("--time-budget", type=float, help="seconds of training (compilation excluded); lowers --steps")
     o.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -92,7 +100,8 @@ def _build_data(args, target, encode, eos_ids):
     from jax_dspark.train.data import generate_responses, pack_sequences, prompt_width
     from jax_dspark.train.prompts import training_prompts
 
-    texts = training_prompts(args.prompts, seed=args.prompt_seed)
+    texts = training_prompts(args.prompts, seed=args.prompt_seed, mix=tuple(args.prompt_mix),
+                             code_methods=args.code_methods)
     prompts = [p for p in (encode(t) for t in texts) if len(p) <= args.max_prompt_len]
     _log(f"{len(prompts)} prompts of {len(texts)} fit {args.max_prompt_len} tokens")
     batch = min(args.gen_batch, len(prompts))
@@ -109,10 +118,19 @@ def _build_data(args, target, encode, eos_ids):
     return pack_sequences(all_prompts, all_answers, seq_len=args.seq_len)
 
 
-def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str, out: str) -> str:
+def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str, out: str,
+                      init: str | None = None) -> str:
     """The `jax-dspark train` command line that reruns one drafter's training with `steps`
-    fixed (what a `--time-budget` run settled on)."""
+    fixed (what a `--time-budget` run settled on). Options left at their defaults that
+    older runs did not have (`--prompt-mix`, `--code-methods`, `--init`) are omitted, so
+    earlier commands stay what they were."""
     parts = ["jax-dspark", "train", "--target", args.target, "--out", out]
+    if init is not None:
+        parts += ["--init", init]
+    if tuple(args.prompt_mix) != DEFAULT_MIX:
+        parts += ["--prompt-mix", *args.prompt_mix]
+    if args.code_methods:
+        parts += ["--code-methods"]
     parts += ["--block-size", args.block_size, "--num-layers", args.num_layers,
               "--intermediate-size", args.intermediate_size, "--markov-rank", markov_rank,
               "--markov-factors", markov_factors,
@@ -123,6 +141,22 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
               "--num-anchors", args.num_anchors, "--lr", args.lr, "--warmup-steps", args.warmup_steps,
               "--weight-decay", args.weight_decay, "--seed", args.seed]
     return " ".join(shlex.quote(str(p)) for p in parts)
+
+
+def _initial(init: str, config):
+    """The drafter `init` (stored form, float32) as a starting point; its config must be
+    `config` (the one the command line asks for)."""
+    import dataclasses
+
+    from jax_dspark.drafters import load_drafter
+
+    drafter = load_drafter(init, dtype=config.dtype)
+    want, got = dataclasses.asdict(config), dataclasses.asdict(drafter.config)
+    diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+    if diff:
+        raise ValueError(f"--init: {init!r} has another config than the command line asks for "
+                         f"(field: (stored, asked)): {diff}")
+    return drafter
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
     if len(factors) != len(args.markov_rank):
         raise ValueError(f"--markov-factors: need one value, or one per --markov-rank {args.markov_rank} "
                          f"(got {args.markov_factors})")
+    inits = args.init or [None] * len(args.markov_rank)
+    if len(inits) != len(args.markov_rank):
+        raise ValueError(f"--init: need one drafter per --markov-rank {args.markov_rank} (got {args.init})")
     t0 = time.perf_counter()
     target, encode, eos_ids, description = _target(args.target)
     _log(f"target {description} loaded in {time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}")
@@ -160,19 +197,20 @@ def run(args: argparse.Namespace) -> int:
                         learning_rate=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                         seed=args.seed, time_budget_s=args.time_budget, log_every=args.log_every)
     drafters = []
-    for rank, factor in zip(args.markov_rank, factors):
+    for rank, factor, init in zip(args.markov_rank, factors, inits):
         config = DSparkConfig.for_target(
             target.config, block_size=args.block_size, num_layers=args.num_layers,
             intermediate_size=args.intermediate_size, markov_rank=rank, markov_factors=factor, dtype="float32")
-        drafters.append(DSparkDrafter(config, rngs=nnx.Rngs(args.seed)))
+        drafters.append(DSparkDrafter(config, rngs=nnx.Rngs(args.seed)) if init is None else _initial(init, config))
     _log(f"compiled the joint step of {len(drafters)} drafters in {precompile(target, drafters, data, tconf):.1f} s")
     _log("training " + ", ".join(f"markov_rank={r} ({f}) -> {o}" for r, f, o in zip(args.markov_rank, factors, args.out)))
     results = train_many(target, drafters, data, tconf, log=_log)
     summaries = []
-    for rank, factor, out, drafter, result in zip(args.markov_rank, factors, args.out, drafters, results):
+    for rank, factor, out, init, drafter, result in zip(args.markov_rank, factors, args.out, inits, drafters, results):
         meta = dict(
             target=description,
-            command=reproduce_command(args, steps=result.steps, markov_rank=rank, markov_factors=factor, out=out),
+            command=reproduce_command(args, steps=result.steps, markov_rank=rank, markov_factors=factor, out=out,
+                                      init=init),
             training=dict(
                 steps=result.steps, train_s=round(result.train_s, 2), first_step_s=round(result.compile_s, 2),
                 device=jax.devices()[0].device_kind, jax=jax.__version__, python=sys.version.split()[0],

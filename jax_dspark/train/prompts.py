@@ -21,6 +21,7 @@ import functools
 import os
 import random
 import sysconfig
+import textwrap
 from collections.abc import Iterator
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -111,8 +112,10 @@ def math_prompts(rng: random.Random, n: int) -> Iterator[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _stdlib_functions(limit_files: int, seed: int) -> tuple[tuple[str, str, str], ...]:
-    """(signature, docstring first line, source) of documented stdlib functions."""
+def _stdlib_functions(limit_files: int, seed: int, methods: bool = False) -> tuple[tuple[str, str, str], ...]:
+    """(signature, docstring first line, source) of documented stdlib functions; with
+    `methods`, also the public documented methods of top-level classes (`Class.name(...)`),
+    about three times as many."""
     rng = random.Random(seed)
     root = sysconfig.get_paths()["stdlib"]
     files = []
@@ -128,18 +131,28 @@ def _stdlib_functions(limit_files: int, seed: int) -> tuple[tuple[str, str, str]
             tree = ast.parse(source)
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        for node in tree.body:
+        defs = [("", node) for node in tree.body]
+        if methods:
+            defs += [(f"{c.name}.", node) for c in tree.body if isinstance(c, ast.ClassDef)
+                     and not c.name.startswith("_") for node in c.body]
+        for owner, node in defs:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node)
                 segment = ast.get_source_segment(source, node) or ""
                 if doc and 3 <= len(segment.splitlines()) <= 30:
-                    sig = f"{node.name}({ast.unparse(node.args)})"
+                    sig = f"{owner}{node.name}({ast.unparse(node.args)})"
+                    if owner:  # the first line lost its indentation; restore it, then dedent all
+                        segment = textwrap.dedent(" " * node.col_offset + segment)
+                        try:
+                            ast.parse(segment)
+                        except SyntaxError:  # tabs or column-0 string bodies: skip
+                            continue
                     found.append((sig, doc.strip().splitlines()[0], segment))
     return tuple(found)
 
 
-def code_prompts(rng: random.Random, n: int) -> Iterator[str]:
-    funcs = list(_stdlib_functions(400, rng.randrange(2**31)))
+def code_prompts(rng: random.Random, n: int, *, methods: bool = False) -> Iterator[str]:
+    funcs = list(_stdlib_functions(400, rng.randrange(2**31), methods))
     rng.shuffle(funcs)
     # Each function first as one kind of prompt, then (once all are used) as the other kind.
     for i in range(min(n, 2 * len(funcs))):
@@ -156,16 +169,28 @@ def instruction_prompts(rng: random.Random, n: int) -> Iterator[str]:
         yield rng.choice(_TASKS).format(topic=rng.choice(_TOPICS), a=a, b=b)
 
 
-def training_prompts(n: int, *, seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.35, 0.25)) -> list[str]:
-    """`n` distinct prompts: math / code / instructions in proportion `mix`, shuffled."""
+def training_prompts(n: int, *, seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.35, 0.25),
+                     code_methods: bool = False) -> list[str]:
+    """`n` distinct prompts: math / code / instructions in proportion `mix`, shuffled.
+
+    A source that runs out of distinct prompts (code: two per documented stdlib function;
+    instructions: tasks x topics) yields fewer than its share. `code_methods` adds the
+    stdlib classes' documented methods to the code source (the default, off, keeps the
+    prompts of earlier runs reproducible).
+    """
     if n < 1:
         raise ValueError(f"n: must be >= 1 (got {n})")
+    if len(mix) != 3 or any(not m >= 0 for m in mix) or not sum(mix) > 0:
+        raise ValueError(f"mix: must be three shares >= 0 with a positive sum (got {mix!r})")
+    total = sum(mix)
+    mix = tuple(m / total for m in mix)
     rng = random.Random(seed)
     counts = [int(n * m) for m in mix]
     counts[0] += n - sum(counts)
     seen: set[str] = set()
     out: list[str] = []
-    for source, count in zip((math_prompts, code_prompts, instruction_prompts), counts):
+    code = functools.partial(code_prompts, methods=code_methods)
+    for source, count in zip((math_prompts, code, instruction_prompts), counts):
         for prompt in source(rng, count * 3):
             if len(out) >= n or count <= 0:
                 break
