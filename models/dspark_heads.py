@@ -26,6 +26,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def _require_positive(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1 (got {value!r})")
+
+
+def _guarded_rows(prev: jax.Array, vocab_size: int, rows_of) -> jax.Array:
+    """`f32[..., r]` = `rows_of(prev)` where `0 <= prev < vocab_size`, zero rows elsewhere
+    (the lookup sees a valid id everywhere, so no clamped row leaks in)."""
+    prev = jnp.asarray(prev, jnp.int32)
+    valid = (prev >= 0) & (prev < vocab_size)
+    rows = rows_of(jnp.where(valid, prev, 0)).astype(jnp.float32)
+    return jnp.where(valid[..., None], rows, 0.0)
+
+
 class MarkovHead(nnx.Module):
     """Vanilla low-rank Markov head: `bias(prev) = W1[prev] @ W2^T`, computed in float32.
 
@@ -47,10 +62,7 @@ class MarkovHead(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: jnp.dtype = jnp.float32,
     ):
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size: must be >= 1 (got {vocab_size!r})")
-        if rank < 1:
-            raise ValueError(f"rank: must be >= 1 (got {rank!r})")
+        _require_positive(vocab_size=vocab_size, rank=rank)
         self.vocab_size = vocab_size
         self.rank = rank
         # Scales chosen so a fresh head's bias has variance ~1/r: visible in tiny random
@@ -67,10 +79,7 @@ class MarkovHead(nnx.Module):
         Returns:
           `f32[..., r]`, zero rows where `prev < 0` or `prev >= V`.
         """
-        prev = jnp.asarray(prev, jnp.int32)
-        valid = (prev >= 0) & (prev < self.vocab_size)
-        rows = jnp.take(self.w1[...], jnp.where(valid, prev, 0), axis=0).astype(jnp.float32)
-        return jnp.where(valid[..., None], rows, 0.0)
+        return _guarded_rows(prev, self.vocab_size, lambda ids: jnp.take(self.w1[...], ids, axis=0))
 
     def __call__(self, prev: jax.Array) -> jax.Array:
         """Markov bias for each predecessor.
@@ -104,10 +113,7 @@ class EmbeddingMarkovHead(nnx.Module):
     """
 
     def __init__(self, hidden_size: int, rank: int, *, rngs: nnx.Rngs, param_dtype: jnp.dtype = jnp.float32):
-        if hidden_size < 1:
-            raise ValueError(f"hidden_size: must be >= 1 (got {hidden_size!r})")
-        if rank < 1:
-            raise ValueError(f"rank: must be >= 1 (got {rank!r})")
+        _require_positive(hidden_size=hidden_size, rank=rank)
         self.hidden_size = hidden_size
         self.rank = rank
         # P1 keeps the embedding's scale; P2 starts small so a fresh head barely moves the
@@ -132,11 +138,8 @@ class BoundEmbeddingMarkov:
 
     def embed(self, prev: jax.Array) -> jax.Array:
         """`f32[..., r]` = `E[prev] @ P1`, zero rows where `prev < 0` or `prev >= V`."""
-        prev = jnp.asarray(prev, jnp.int32)
-        valid = (prev >= 0) & (prev < self.vocab_size)
-        e = self.target.embed(jnp.where(valid, prev, 0)).astype(jnp.float32)
-        rows = e @ self.head.p1[...].astype(jnp.float32)
-        return jnp.where(valid[..., None], rows, 0.0)
+        p1 = self.head.p1[...].astype(jnp.float32)
+        return _guarded_rows(prev, self.vocab_size, lambda ids: self.target.embed(ids).astype(jnp.float32) @ p1)
 
     def __call__(self, prev: jax.Array) -> jax.Array:
         """`f32[..., V]` Markov bias `unembed(E[prev] @ P1 @ P2^T)`; zero for invalid `prev`."""

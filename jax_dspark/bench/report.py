@@ -33,9 +33,11 @@ def write(result: dict, json_path: str, columns: list[tuple[str, str]], title: s
         json.dump(result, f, indent=2)
         f.write("\n")
     lines = [f"# {title}", ""]
+    gemm = result.get("gemm_bf16_TFLOPs")
     lines.append(
         f"GPU: {result['gpu']} · commit `{result['commit']}` · {result['date']} · measured copy bandwidth "
-        f"{result['copy_TBps']:.2f} TB/s (read + write) · bf16 GEMM {result['gemm_bf16_TFLOPs']:.0f} TFLOP/s"
+        f"{result['copy_TBps']:.3g} TB/s (read + write) · bf16 GEMM "
+        + ("not measured" if gemm is None else f"{gemm:.0f} TFLOP/s")
     )
     lines += ["", "| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for case in result["cases"]:

@@ -1,7 +1,9 @@
-"""`jax-dspark bench attention|prep|moe`: kernel benchmarks on the GPU (docs/benchmarks/*.json).
+"""`jax-dspark bench attention|prep|moe|round`: benchmarks written to docs/benchmarks/*.json.
 
-Each run measures, in one process, the GPU's copy bandwidth and bf16 GEMM rate, the XLA
-reference and the CUDA kernel, and writes `<out>/<what>.json` plus a markdown table.
+Kernel benches (attention, prep, moe; GPU only) measure, in one process, the GPU's copy
+bandwidth and bf16 GEMM rate, the XLA reference and the CUDA kernel. `round` times one
+speculative decode round and its parts (`bench.round`; any backend). Each writes
+`<out>/<what>.json` plus a markdown table.
 """
 
 from __future__ import annotations
@@ -11,16 +13,25 @@ import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=("attention", "prep", "moe"), help="which kernel to benchmark")
+    parser.add_argument("what", choices=("attention", "prep", "moe", "round"), help="what to benchmark")
     parser.add_argument("--out", default="docs/benchmarks", help="directory for <what>.json and <what>.md")
     parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
     parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
     parser.add_argument("--sets", type=int, default=20, help="input sets (calls) per timed executable")
+    parser.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2", help="round: the target")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="round: batch sizes")
+    parser.add_argument("--repeats", type=int, default=30, help="round: timed rounds per case")
 
 
 def run(args: argparse.Namespace) -> int:
     import jax
 
+    if args.what == "round":
+        from jax_dspark.bench import round as bench_round
+
+        bench_round.run(os.path.join(args.out, "round.json"), commit=args.commit, target=args.target,
+                        batch_sizes=args.batch, repeats=args.repeats)
+        return 0
     if jax.default_backend() != "gpu":
         print(f"bench {args.what}: needs a GPU backend (have {jax.default_backend()!r})")
         return 2
