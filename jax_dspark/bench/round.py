@@ -14,9 +14,6 @@ of one target forward: parameter bytes / the copy bandwidth measured in the same
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,12 +27,7 @@ WARMUP_ROUNDS = 3
 
 
 def _median_ms(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
+    return timing.median_wall_s(fn, repeats) * 1e3
 
 
 def _setup(target_name: str):

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _wall(fn: Callable[[], object], reps: int) -> float:
+def median_wall_s(fn: Callable[[], object], reps: int) -> float:
+    """Median wall time in seconds of `reps` calls of `fn`, each ended by
+    `jax.block_until_ready` (warm-up is the caller's business)."""
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -40,8 +42,8 @@ def per_call_us(fn: Callable, input_sets: Sequence[tuple], reps: int = 15) -> fl
     for _ in range(2):  # compile + warm up
         jax.block_until_ready(many(sets))
         jax.block_until_ready(one(first))
-    t_many = _wall(lambda: many(sets), reps)
-    t_one = _wall(lambda: one(first), reps)
+    t_many = median_wall_s(lambda: many(sets), reps)
+    t_one = median_wall_s(lambda: one(first), reps)
     return max(t_many - t_one, 1e-9) / (n - 1) * 1e6
 
 
@@ -52,7 +54,7 @@ def copy_bandwidth_TBps(gib: float = 2.0, reps: int = 10) -> float:
     f = jax.jit(lambda a: a ^ jnp.uint32(0x5A5A5A5A))
     jax.block_until_ready(f(x))
     loops = 10
-    t = _wall(lambda: [f(x) for _ in range(loops)][-1], reps) / loops
+    t = median_wall_s(lambda: [f(x) for _ in range(loops)][-1], reps) / loops
     return 2 * n * 4 / t / 1e12
 
 
@@ -64,7 +66,7 @@ def gemm_bf16_TFLOPs(size: int = 8192, reps: int = 10) -> float:
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
     jax.block_until_ready(f(a, b))
     loops = 10
-    t = _wall(lambda: [f(a, b) for _ in range(loops)][-1], reps) / loops
+    t = median_wall_s(lambda: [f(a, b) for _ in range(loops)][-1], reps) / loops
     return 2 * size**3 / t / 1e12
 
 
