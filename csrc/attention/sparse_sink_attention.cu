@@ -96,6 +96,25 @@ __device__ __forceinline__ void load_tile_indices(const SparseSinkAttentionParam
   }
 }
 
+// Zeroes the first 64 16-byte chunks of rows first + i for every set bit i of `z`; one warp,
+// lane l writes chunks l and l + 32.
+__device__ __forceinline__ void zero_rows(uint8_t* stage_base, uint32_t z, int first, int lane) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  while (z) {
+    const int r = first + __ffs(z) - 1;
+    z &= z - 1;
+    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
+    row[lane] = zero;
+    row[lane + 32] = zero;
+  }
+}
+
+// The rows of a tile whose bit is clear in the validity masks (m0: rows 0..31, m1: 32..63).
+__device__ __forceinline__ void zero_masked_rows(uint8_t* stage_base, uint32_t m0, uint32_t m1, int lane) {
+  zero_rows(stage_base, ~m0, 0, lane);
+  zero_rows(stage_base, ~m1, 32, lane);
+}
+
 // Warp 0 doubles as the producer: it gathers tile t of this split's rows into stage t % 2.
 // (A dedicated ninth warp would cap every thread at 168 registers: the 4 schedulers split
 // the register file, and one of them would host 3 warps.)
@@ -106,7 +125,6 @@ __device__ __forceinline__ void produce_tile(const SparseSinkAttentionParams& p,
   uint32_t* s_valid = reinterpret_cast<uint32_t*>(smem + kOffValid);
   const __nv_bfloat16* main_rows = static_cast<const __nv_bfloat16*>(p.main_rows);
   const __nv_bfloat16* extra_rows = static_cast<const __nv_bfloat16*>(p.extra_rows);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
   const int stage = t & 1;
   const int j0 = key_begin + t * BK;
   const __nv_bfloat16* src[2];
@@ -124,22 +142,7 @@ __device__ __forceinline__ void produce_tile(const SparseSinkAttentionParams& p,
   if (t >= 2) mbar_wait(&bar_empty[stage], ((t >> 1) - 1) & 1);
   uint8_t* stage_base = smem + kOffKV + stage * kStageBytes;
   // Masked rows are zeroed: their probability is 0, and 0 * (stale NaN) would not be.
-  uint32_t z = ~m0;
-  while (z) {
-    const int r = __ffs(z) - 1;
-    z &= z - 1;
-    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
-    row[lane] = zero;
-    row[lane + 32] = zero;
-  }
-  z = ~m1;
-  while (z) {
-    const int r = 32 + __ffs(z) - 1;
-    z &= z - 1;
-    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
-    row[lane] = zero;
-    row[lane + 32] = zero;
-  }
+  zero_masked_rows(stage_base, m0, m1, lane);
   if (lane == 0) {
     s_valid[stage * 2] = m0;
     s_valid[stage * 2 + 1] = m1;
@@ -169,7 +172,6 @@ __device__ __forceinline__ void produce_tile_fp8(const SparseSinkAttentionParams
   uint64_t* bar_empty = bar_full + 2;
   uint32_t* s_valid = reinterpret_cast<uint32_t*>(smem + kOffValid);
   uint32_t* s_fp8 = reinterpret_cast<uint32_t*>(smem + kOffFp8);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
   const int stage = t & 1;
   const int j0 = key_begin + t * BK;
   const uint8_t* src[2];
@@ -199,22 +201,7 @@ __device__ __forceinline__ void produce_tile_fp8(const SparseSinkAttentionParams
   const uint32_t g1 = __ballot_sync(0xffffffffu, ok[1] && f8[1]);
   if (t >= 2) mbar_wait(&bar_empty[stage], ((t >> 1) - 1) & 1);
   uint8_t* stage_base = smem + kOffKV + stage * kStageBytes;
-  uint32_t z = ~m0;
-  while (z) {
-    const int r = __ffs(z) - 1;
-    z &= z - 1;
-    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
-    row[lane] = zero;
-    row[lane + 32] = zero;
-  }
-  z = ~m1;
-  while (z) {
-    const int r = 32 + __ffs(z) - 1;
-    z &= z - 1;
-    uint4* row = reinterpret_cast<uint4*>(stage_base + r * kRowStride);
-    row[lane] = zero;
-    row[lane + 32] = zero;
-  }
+  zero_masked_rows(stage_base, m0, m1, lane);
   if (lane == 0) {
     s_valid[stage * 2] = m0;
     s_valid[stage * 2 + 1] = m1;

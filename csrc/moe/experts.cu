@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 
 #include "moe/params.h"
+#include "moe/swiglu.cuh"
 
 namespace jds {
 namespace {
@@ -102,8 +103,6 @@ __global__ void gather_kernel(const uint4* __restrict__ x, const int32_t* __rest
   for (int v = threadIdx.x; v < vecs_per_row; v += blockDim.x) xp[dst + v] = x[src + v];
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-
 // a[r, i] = silu(min(g, L)) * clip(u, -L, L) with g = h[r, i], u = h[r, I + i], in f32.
 __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ h, const int32_t* __restrict__ valid_rows,
                               int inter, float limit, __nv_bfloat16* __restrict__ a) {
@@ -121,14 +120,8 @@ __global__ void swiglu_kernel(const __nv_bfloat16* __restrict__ h, const int32_t
     __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float2 g = __bfloat1622float2(g2[j]), u = __bfloat1622float2(u2[j]);
-      if (limit > 0.f) {
-        g.x = fminf(g.x, limit);
-        g.y = fminf(g.y, limit);
-        u.x = fminf(fmaxf(u.x, -limit), limit);
-        u.y = fminf(fmaxf(u.y, -limit), limit);
-      }
-      o2[j] = __floats2bfloat162_rn(silu(g.x) * u.x, silu(g.y) * u.y);
+      const float2 a = swiglu_pair(__bfloat1622float2(g2[j]), __bfloat1622float2(u2[j]), limit);
+      o2[j] = __floats2bfloat162_rn(a.x, a.y);
     }
     dst[v] = out;
   }

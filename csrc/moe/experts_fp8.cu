@@ -21,6 +21,7 @@
 #include <cuda_fp8.h>
 
 #include "moe/params.h"
+#include "moe/swiglu.cuh"
 
 namespace jds {
 namespace {
@@ -97,8 +98,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerRow)
   }
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-
 // a = silu(min(g, L)) * clip(u, -L, L) from h bf16 [P, 2I] (gate = first I columns), in f32,
 // quantised per 1x128 into aq [P, I] and sfa (GEMM layout, K = I).
 __global__ void __launch_bounds__(32 * kWarpsPerRow)
@@ -122,15 +121,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerRow)
     float v[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      float2 g = __bfloat1622float2(g2[j]), u = __bfloat1622float2(u2[j]);
-      if (limit > 0.f) {
-        g.x = fminf(g.x, limit);
-        g.y = fminf(g.y, limit);
-        u.x = fminf(fmaxf(u.x, -limit), limit);
-        u.y = fminf(fmaxf(u.y, -limit), limit);
-      }
-      v[2 * j] = silu(g.x) * u.x;
-      v[2 * j + 1] = silu(g.y) * u.y;
+      const float2 a = swiglu_pair(__bfloat1622float2(g2[j]), __bfloat1622float2(u2[j]), limit);
+      v[2 * j] = a.x;
+      v[2 * j + 1] = a.y;
     }
     const float s = quantize_block(v, reinterpret_cast<uint32_t*>(aq + int64_t(r) * inter + c));
     if (lane == 0) sfa[int64_t(row0) * blocks + int64_t(b) * rows + (r - row0)] = s;
