@@ -33,11 +33,12 @@ def _median_ms(fn, repeats: int) -> float:
 def _setup(target_name: str):
     """`(target, {drafter name: drafter or None}, prompt ids, description)`."""
     if target_name == "tiny":
+        from jax_dspark.commands.generate import byte_encode
         from jax_dspark.models.dspark import tiny_dspark
         from jax_dspark.models.llama import tiny_llama
 
         target = tiny_llama(0)
-        prompt = [1 + (b % (target.config.vocab_size - 2)) for b in PROMPT.encode()][:40]
+        prompt = byte_encode(PROMPT, target.config.vocab_size)[:40]
         drafters = {"none": None, "dspark": tiny_dspark(target.config, markov_rank=8)}
         return target, drafters, prompt, "tiny random Llama + tiny DSpark drafter"
     if target_name != "smollm2":
