@@ -12,7 +12,7 @@ from jax_dspark.drafters import load_drafter, save_drafter
 from jax_dspark.drafters._safetensors import load_safetensors, save_safetensors
 from jax_dspark.models.dspark import tiny_dspark
 from jax_dspark.models.llama import TINY, tiny_llama
-from jax_dspark.train.data import pack_sequences
+from jax_dspark.train.data import concat_sequences, pack_sequences
 from jax_dspark.train.trainer import TrainConfig, learning_rate, make_batches, train, train_many
 
 
@@ -35,6 +35,36 @@ def test_pack_sequences_truncates_answers_to_the_row_length():
     data = pack_sequences([[1, 2, 3, 4]], [[5, 6, 7, 8, 9]], seq_len=6)
     np.testing.assert_array_equal(data.tokens[0], [1, 2, 3, 4, 5, 6])
     assert data.loss_mask[0].sum() == 2
+
+
+def test_concat_sequences_keeps_every_row_in_order_and_refuses_other_widths():
+    a, b = _random_data(seed=1, n=3), _random_data(seed=2, n=4)
+    both = concat_sequences([a, b])
+    assert both.num_sequences == 7 and both.response_tokens == a.response_tokens + b.response_tokens
+    np.testing.assert_array_equal(both.tokens[3:], b.tokens)
+    np.testing.assert_array_equal(both.loss_mask[:3], a.loss_mask)
+    with pytest.raises(ValueError, match="same seq_len"):
+        concat_sequences([a, _random_data(n=2, seq_len=48)])
+
+
+def test_train_command_trains_on_more_data_and_names_it_in_the_command(tmp_path):
+    from jax_dspark.cli import main
+    from jax_dspark.train.data import load_sequences, save_sequences
+
+    extra = tmp_path / "extra.npz"
+    save_sequences(extra, _random_data(seed=3, n=5, seq_len=512))
+    out = tmp_path / "d"
+    rc = main(["train", "--target", "tiny", "--prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4",
+               "--data", str(tmp_path / "new.npz"), "--more-data", str(extra), "--steps", "2",
+               "--batch-size", "2", "--num-anchors", "2", "--block-size", "3", "--num-layers", "1",
+               "--intermediate-size", "32", "--markov-rank", "4", "--out", str(out)])
+    assert rc == 0
+    import json
+
+    meta = json.loads((tmp_path / "d.json").read_text())
+    new = load_sequences(tmp_path / "new.npz")
+    assert meta["training"]["sequences"] == new.num_sequences + 5
+    assert f"--more-data {extra}" in meta["command"]
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

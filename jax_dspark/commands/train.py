@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "one per --markov-rank")
     parser.add_argument("--data", help="sequences .npz: loaded if it exists, else generated and saved there")
     parser.add_argument("--data-only", action="store_true", help="generate (and save) the data, then stop")
+    parser.add_argument("--more-data", nargs="+", default=[], metavar="NPZ",
+                        help="sequence files saved by earlier --data runs, appended to --data's rows for training")
     g = parser.add_argument_group("drafter")
     g.add_argument("--block-size", type=int, default=7)
     g.add_argument("--num-layers", type=int, default=2)
@@ -122,8 +124,9 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
                       init: str | None = None) -> str:
     """The `jax-dspark train` command line that reruns one drafter's training with `steps`
     fixed (what a `--time-budget` run settled on). Options left at their defaults that
-    older runs did not have (`--prompt-mix`, `--code-methods`, `--init`) are omitted, so
-    earlier commands stay what they were."""
+    older runs did not have (`--prompt-mix`, `--code-methods`, `--init`, `--more-data`) are
+    omitted, so earlier commands stay what they were. `--more-data` files are named as
+    given: each is reproduced by the command of the run that saved it."""
     parts = ["jax-dspark", "train", "--target", args.target, "--out", out]
     if init is not None:
         parts += ["--init", init]
@@ -131,6 +134,8 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
         parts += ["--prompt-mix", *args.prompt_mix]
     if args.code_methods:
         parts += ["--code-methods"]
+    if args.more_data:
+        parts += ["--more-data", *args.more_data]
     parts += ["--block-size", args.block_size, "--num-layers", args.num_layers,
               "--intermediate-size", args.intermediate_size, "--markov-rank", markov_rank,
               "--markov-factors", markov_factors,
@@ -192,6 +197,12 @@ def run(args: argparse.Namespace) -> int:
             save_sequences(args.data, data)
     if args.data_only:
         return 0
+    if args.more_data:
+        from jax_dspark.train.data import concat_sequences
+
+        data = concat_sequences([data] + [load_sequences(p) for p in args.more_data])
+        _log(f"training on {data.num_sequences} sequences ({data.response_tokens} answer tokens) "
+             f"with {', '.join(args.more_data)}")
 
     tconf = TrainConfig(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors,
                         learning_rate=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SequenceData", "encode_chat_prompts", "generate_responses", "pack_sequences", "teacher_forced",
-           "save_sequences", "load_sequences", "prompt_width"]
+           "save_sequences", "load_sequences", "concat_sequences", "prompt_width"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +162,20 @@ def load_sequences(path: str | os.PathLike[str]) -> SequenceData:
     """Read what `save_sequences` wrote."""
     with np.load(path) as f:
         return SequenceData(tokens=f["tokens"], loss_mask=f["loss_mask"], lengths=f["lengths"])
+
+
+def concat_sequences(parts: Sequence[SequenceData]) -> SequenceData:
+    """Rows of every part, in order, as one `SequenceData` (e.g. a new data file trained
+    together with an earlier one). Parts must share the row length `S`: padding rows to a
+    common length would change the batches a training seed draws from the first part."""
+    if not parts:
+        raise ValueError("parts: need at least one SequenceData (got none)")
+    widths = sorted({p.seq_len for p in parts})
+    if len(widths) != 1:
+        raise ValueError(f"parts: every part must have the same seq_len (got {widths})")
+    return SequenceData(tokens=np.concatenate([p.tokens for p in parts]),
+                        loss_mask=np.concatenate([p.loss_mask for p in parts]),
+                        lengths=np.concatenate([p.lengths for p in parts]))
 
 
 def teacher_forced(target, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
