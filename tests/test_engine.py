@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import re
 
+import jax
+import numpy as np
+
 import pytest
 
 from jax_dspark.models.dspark import tiny_dspark
@@ -93,3 +96,23 @@ def test_a_stop_token_ends_its_request_and_the_rest_are_unchanged(greedy_errors)
     assert greedy_errors(target, PROMPTS, cut.tokens) == []
     with pytest.raises(ValueError, match="stop_ids"):
         generate(target, drafter, PROMPTS, max_new_tokens=2, stop_ids=[target.config.vocab_size])
+
+
+def test_compiled_engine_finds_its_programs_in_jits_cache_in_the_first_round():
+    """`compile` must fill jit's own dispatch cache: an ahead-of-time executable
+    (`lower().compile()`) does not serve later calls, so the first timed round compiled
+    again (1-2 s on the SmolLM2 pair, counted by generate as decode time)."""
+    from jax_dspark.spec import engine as engine_mod
+
+    target = tiny_llama(0)
+    # A max_new_tokens no other test uses, so this engine's programs are new to the process.
+    engine = SpeculativeEngine(target, tiny_dspark(target.config, seed=1), max_new_tokens=13)
+    prompts = np.zeros((2, 8), np.int32) + 7
+    lens = np.array([8, 5], np.int32)
+    before = engine_mod._jit_round._cache_size(), engine_mod._jit_prefill._cache_size()
+    engine.compile(engine.init_state(2, 8), prompts, lens)
+    compiled = engine_mod._jit_round._cache_size(), engine_mod._jit_prefill._cache_size()
+    assert compiled == (before[0] + 1, before[1] + 1)
+    state = engine.step(engine.prefill(engine.init_state(2, 8), prompts, lens))
+    jax.block_until_ready(state.anchor)
+    assert (engine_mod._jit_round._cache_size(), engine_mod._jit_prefill._cache_size()) == compiled

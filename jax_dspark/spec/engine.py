@@ -269,19 +269,6 @@ def _jit_round(t_params, d_params, state, scheduler, *, t_graph, d_graph, sampli
                         stop_ids=stop_ids)
 
 
-_COMPILED: set = set()
-
-
-def _remember(static, args) -> bool:
-    """Record a (static arguments, argument shapes) signature; True if it is new."""
-    leaves, treedef = jax.tree.flatten(args)
-    key = (static, treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
-    if key in _COMPILED:
-        return False
-    _COMPILED.add(key)
-    return True
-
-
 class SpeculativeEngine:
     """Jitted prefill and decode round for one (target, drafter, sampling, max_new_tokens).
 
@@ -358,9 +345,8 @@ class SpeculativeEngine:
             counts = np.clip(lens - k * c, 0, c).astype(np.int32)
             yield padded[:, k * c:(k + 1) * c], starts, counts, k == n - 1
 
-    def _prefill_call(self, state, chunk, starts, counts, lens, final, lower=False):
-        fn = _jit_prefill.lower if lower else _jit_prefill
-        return fn(self._t_params, self._d_params, state, jnp.asarray(chunk),
+    def _prefill_call(self, state, chunk, starts, counts, lens, final):
+        return _jit_prefill(self._t_params, self._d_params, state, jnp.asarray(chunk),
                   jnp.asarray(starts), jnp.asarray(counts), jnp.asarray(lens, jnp.int32),
                   final=final, max_new_tokens=self.max_new_tokens, **self._static)
 
@@ -416,23 +402,19 @@ class SpeculativeEngine:
         return _jit_round.lower(self._t_params, self._d_params, state, self.scheduler, **self._round_kwargs())
 
     def compile(self, state: DecodeState, prompts: np.ndarray, prompt_lens: np.ndarray) -> None:
-        """Compile prefill and the round ahead of time, so timings exclude compilation.
+        """Compile prefill and the round now, so that timings that follow exclude compilation.
 
-        Programs this process already compiled for the same static arguments and argument
-        shapes are skipped (the jit cache serves them), so a second `generate` with another
-        model of the same architecture pays neither compilation nor lowering.
+        Runs `prefill` and one `step` on `state` (consumed: its buffers are donated; pass a
+        throwaway `init_state` of the shapes to come). Calling the jitted functions, rather
+        than `lower(...).compile()`, is what fills jit's dispatch cache: an ahead-of-time
+        executable does not serve later calls of the jitted function, whose first call then
+        traced and lowered the round again (1-2 s for the SmolLM2 pair, which `generate`
+        used to count as decode time). Later engines with the same static arguments and
+        shapes (e.g. another model of the same architecture) find both programs in that
+        cache and pay one prefill and one round here.
         """
-        seen = set()
-        for chunk, starts, counts, final in self._chunks(prompts, prompt_lens):
-            if final in seen:
-                continue
-            seen.add(final)
-            args = (self._t_params, self._d_params, state, chunk, starts, counts, prompt_lens)
-            if _remember(("prefill", final, self.max_new_tokens, tuple(sorted(self._static.items(), key=str))), args):
-                self._prefill_call(state, chunk, starts, counts, prompt_lens, final, lower=True).compile()
-        args = (self._t_params, self._d_params, state, self.scheduler)
-        if _remember(("round", tuple(sorted(self._round_kwargs().items(), key=str))), args):
-            self.lower_step(state).compile()
+        state = self.prefill(state, prompts, prompt_lens)
+        jax.block_until_ready(self.step(state))
 
     def done(self, state: DecodeState) -> bool:
         """Whether every request has `max_new_tokens` tokens (one small device read)."""
