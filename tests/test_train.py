@@ -47,7 +47,7 @@ def test_concat_sequences_keeps_every_row_in_order_and_refuses_other_widths():
         concat_sequences([a, _random_data(n=2, seq_len=48)])
 
 
-def test_train_command_trains_on_more_data_and_names_it_in_the_command(tmp_path):
+def test_train_command_records_more_data_and_the_lineage_of_init(tmp_path):
     from jax_dspark.cli import main
     from jax_dspark.train.data import load_sequences, save_sequences
 
@@ -64,7 +64,17 @@ def test_train_command_trains_on_more_data_and_names_it_in_the_command(tmp_path)
     meta = json.loads((tmp_path / "d.json").read_text())
     new = load_sequences(tmp_path / "new.npz")
     assert meta["training"]["sequences"] == new.num_sequences + 5
-    assert f"--more-data {extra}" in meta["command"]
+    assert f"--more-data {extra}" in meta["command"] and "lineage" not in meta
+
+    # Continued with --init: the new JSON carries the first run (command + summary) as its lineage.
+    rc = main(["train", "--target", "tiny", "--data", str(tmp_path / "new.npz"), "--steps", "1",
+               "--batch-size", "2", "--num-anchors", "2", "--block-size", "3", "--num-layers", "1",
+               "--intermediate-size", "32", "--markov-rank", "4", "--init", str(out), "--out", str(tmp_path / "e")])
+    assert rc == 0
+    later = json.loads((tmp_path / "e.json").read_text())
+    assert later["lineage"] == [dict(command=meta["command"],
+                                     training={k: v for k, v in meta["training"].items() if k != "history"})]
+    assert f"--init {out}" in later["command"]
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

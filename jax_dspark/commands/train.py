@@ -164,6 +164,17 @@ def _initial(init: str, config):
     return drafter
 
 
+def _lineage(init: str) -> list[dict]:
+    """The runs behind `--init`'s drafter, oldest first (its own `lineage`, then its
+    command and training summary): a continued drafter is reproduced by running them in
+    order, then its own command."""
+    from jax_dspark.drafters import load_drafter_meta
+
+    prev = load_drafter_meta(init)
+    summary = {k: v for k, v in prev.get("training", {}).items() if k != "history"}
+    return list(prev.get("lineage", [])) + [dict(command=prev.get("command"), training=summary)]
+
+
 def run(args: argparse.Namespace) -> int:
     import jax
     from flax import nnx
@@ -229,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
                 final=result.history[-1] if result.history else {}, history=result.history,
             ),
         )
+        if init is not None:
+            meta["lineage"] = _lineage(init)
         weights, info = save_drafter(drafter, out, meta)
         _log(f"wrote {weights} ({os.path.getsize(weights) / 2**20:.2f} MiB) and {info}")
         summaries.append(dict(weights=str(weights), info=str(info), **{k: v for k, v in meta["training"].items()
