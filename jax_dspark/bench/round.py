@@ -1,8 +1,8 @@
 """`jax-dspark bench round`: one speculative decode round, whole and taken apart.
 
 Tokens/s of speculative decoding is `acceptance length / round time`, so the round's cost
-against a plain decoding step decides whether a drafter pays: at batch 1 on the H200 a
-round of the SmolLM2 pair measured ~4 plain steps (`docs/benchmarks/acceptance.md`). This
+against a plain decoding step decides whether a drafter pays (on the H200 at batch 1 a
+round of the SmolLM2 pair costs 1.6 plain steps: `docs/benchmarks/round.md`). This
 bench times, per batch size and drafter, the jitted round (`SpeculativeEngine.step`, the
 state donated as in `generate`) and its parts in isolation: the target forward over the
 `g + 1` verify rows (its cache donated and threaded through the calls), the drafter's
