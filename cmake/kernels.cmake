@@ -45,6 +45,7 @@ separate_arguments(_jds_gencode UNIX_COMMAND "${JAX_DSPARK_GENCODE}")
 
 add_library(jax_dspark_objs OBJECT
   csrc/attention/sparse_sink_attention.cu
+  csrc/attention/sparse_sink_attention_wgmma.cu
   csrc/prep/rms_norm_rope.cu
   ffi/attention.cc
   ffi/prep.cc
@@ -90,7 +91,7 @@ endif()
 option(JAX_DSPARK_BUILD_DRIVER "build csrc/tools/kernel_driver" OFF)
 if(JAX_DSPARK_BUILD_DRIVER)
   add_executable(kernel_driver csrc/tools/kernel_driver.cu csrc/attention/sparse_sink_attention.cu
-                               csrc/prep/rms_norm_rope.cu)
+                               csrc/attention/sparse_sink_attention_wgmma.cu csrc/prep/rms_norm_rope.cu)
   set_target_properties(kernel_driver PROPERTIES CUDA_STANDARD 17)
   target_include_directories(kernel_driver PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/csrc")
   target_compile_options(kernel_driver PRIVATE ${_jds_gencode} -O3)

@@ -23,6 +23,7 @@
 #include <cfloat>
 #include <cmath>
 
+#include "attention/epilogue.cuh"
 #include "attention/params.h"
 #include "common/ptx.cuh"
 
@@ -66,21 +67,6 @@ static_assert(kAttnNopeDim % 16 == 0 && kAttnNopeDim % kAttnScaleBlock == 0 && k
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ float sink_factor(const float* sink, int h, float lse) {
-  // out = (sum_j p_j v_j) / (sum_j p_j + exp(sink)) = normalized * 1 / (1 + exp(sink - lse)).
-  if (lse == -INFINITY) return 0.f;
-  if (sink == nullptr) return 1.f;
-  return 1.f / (1.f + __expf(sink[h] - lse));
-}
-
-// Inverse rotation of one interleaved pair (x0, x1) by the query position's (cos, sin).
-__device__ __forceinline__ void inverse_rope_pair(float& x0, float& x1, float2 cs) {
-  const float y0 = x0 * cs.x + x1 * cs.y;
-  const float y1 = x1 * cs.x - x0 * cs.y;
-  x0 = y0;
-  x1 = y1;
-}
 
 // Index values of rows j0 + lane and j0 + 32 + lane of the concatenated [main | extra] list
 // (any value; validity is decided when the tile is issued). Loaded one tile ahead so the
@@ -512,38 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     inv[i] = l_tot > 0.f ? 1.f / l_tot : 0.f;
   }
 
-  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
-  const int rope_lo = D - p.rope_dim;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int h = h0 + 16 * r + g + 8 * i;
-    if (h >= p.heads) continue;
-    const int64_t row = bs * p.heads + h;
-    if (p.num_splits == 1) {
-      const float f = inv[i] * sink_factor(p.sink, h, lse[i]);
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * D;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int dim = 256 * c + 8 * n + 2 * q4;
-        float x0 = o[n][2 * i] * f, x1 = o[n][2 * i + 1] * f;
-        if (p.inv_rope != nullptr && dim >= rope_lo) {
-          const float2 cs =
-              reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
-          inverse_rope_pair(x0, x1, cs);
-        }
-        *reinterpret_cast<uint32_t*>(out + dim) = pack_bf16x2(x0, x1);
-      }
-      if (c == 0 && q4 == 0) p.lse[row] = lse[i];
-    } else {
-      float* po = p.partial_out + (int64_t(split) * rows + row) * D;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int dim = 256 * c + 8 * n + 2 * q4;
-        *reinterpret_cast<float2*>(po + dim) = make_float2(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
-      }
-      if (c == 0 && q4 == 0) p.partial_lse[int64_t(split) * rows + row] = lse[i];
-    }
-  }
+  store_head_rows(p, o, lse, inv, bs, h0 + 16 * r + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
 }
 
 // One warp per (request, query row, head): merge the split partials by their log-sum-exp,
@@ -632,6 +587,10 @@ cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaSt
   cudaError_t err =
       (p.main_fp8 || p.extra_fp8) ? launch_attention<true>(p, stream) : launch_attention<false>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
+  return launch_sparse_sink_attention_combine(p, stream);
+}
+
+cudaError_t launch_sparse_sink_attention_combine(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
   attention_combine_kernel<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(p);
   return cudaGetLastError();

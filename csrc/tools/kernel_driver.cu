@@ -2,6 +2,8 @@
 //   kernel_driver memcheck   edge cases on exact-size cudaMalloc buffers (run it under
 //                            compute-sanitizer: every out-of-bounds access is reported), outputs
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
+//   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma;
+//                            FP8 cases must then report cudaErrorNotSupported)
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 // Built by hand (docs/kernels.md), not part of the installed library.
@@ -28,6 +30,10 @@
   } while (0)
 
 using bf16 = __nv_bfloat16;
+
+// The attention launcher under test (mma.sync by default, `--wgmma` for the wgmma kernel).
+static cudaError_t (*run_attn)(const jds::SparseSinkAttentionParams&, cudaStream_t) = jds::run_sparse_sink_attention;
+static bool use_wgmma = false;
 
 template <class T>
 T* upload(const std::vector<T>& h) {
@@ -313,7 +319,14 @@ static int memcheck(int sms) {
   int failures = 0;
   for (const auto& c : cases) {
     AttnData a = make_attn(c, sms, false);
-    CK(jds::run_sparse_sink_attention(a.p, 0));
+    if (use_wgmma && (c.fp8_main || c.fp8_extra)) {
+      const bool ok = run_attn(a.p, 0) == cudaErrorNotSupported;
+      failures += !ok;
+      std::printf("attention %-34s wgmma refuses FP8 pools: %s\n", c.name, ok ? "ok" : "FAIL");
+      free_attn(a);
+      continue;
+    }
+    CK(run_attn(a.p, 0));
     CK(cudaDeviceSynchronize());
     const double err = check_attn(c, a);
     const bool ok = err < 1e-2;
@@ -377,17 +390,18 @@ static int bench(int sms, const char* only) {
   };
   for (const auto& c : cases) {
     if (only && !std::strstr(c.name, only)) continue;
+    if (use_wgmma && (c.fp8_main || c.fp8_extra)) continue;
     const int kSets = 4;  // rotate pools: 4 x pool > L2 for every case
     std::vector<AttnData> sets;
     for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true, true));
-    for (int i = 0; i < 3; ++i) CK(jds::run_sparse_sink_attention(sets[i % kSets].p, 0));
+    for (int i = 0; i < 3; ++i) CK(run_attn(sets[i % kSets].p, 0));
     CK(cudaDeviceSynchronize());
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     const int iters = 40;
     CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) CK(jds::run_sparse_sink_attention(sets[i % kSets].p, 0));
+    for (int i = 0; i < iters; ++i) CK(run_attn(sets[i % kSets].p, 0));
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float ms = 0;
@@ -407,6 +421,17 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);  // keep partial output if a time limit kills us
   int sms = 132;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  if (argc > 1 && std::strcmp(argv[1], "bench") == 0) return bench(sms, argc > 2 ? argv[2] : nullptr);
+  const char* args[3] = {nullptr, nullptr, nullptr};
+  int nargs = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--wgmma") == 0) {
+      use_wgmma = true;
+      run_attn = jds::run_sparse_sink_attention_wgmma;
+    } else if (nargs < 3) {
+      args[nargs++] = argv[i];
+    }
+  }
+  std::printf("attention kernel: %s\n", use_wgmma ? "wgmma" : "mma.sync");
+  if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
   return memcheck(sms);
 }

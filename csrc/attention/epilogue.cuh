@@ -1,0 +1,75 @@
+// Epilogue shared by the sparse sink attention kernels (mma.sync and wgmma): the sink, the
+// inverse RoPE, and the store of a thread's two output rows, whole or as split-K partials.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "attention/params.h"
+#include "common/ptx.cuh"
+
+namespace jds {
+
+__device__ __forceinline__ float sink_factor(const float* sink, int h, float lse) {
+  // out = (sum_j p_j v_j) / (sum_j p_j + exp(sink)) = normalized * 1 / (1 + exp(sink - lse)).
+  if (lse == -INFINITY) return 0.f;
+  if (sink == nullptr) return 1.f;
+  return 1.f / (1.f + __expf(sink[h] - lse));
+}
+
+// Inverse rotation of one interleaved pair (x0, x1) by the query position's (cos, sin).
+__device__ __forceinline__ void inverse_rope_pair(float& x0, float& x1, float2 cs) {
+  const float y0 = x0 * cs.x + x1 * cs.y;
+  const float y1 = x1 * cs.x - x0 * cs.y;
+  x0 = y0;
+  x1 = y1;
+}
+
+// Stores the rows of heads h_first and h_first + 8 of query row `bs` that this thread holds
+// in the m16n8 accumulator layout: o[n][2i], o[n][2i+1] are dims dim_first + 8n (+1) of
+// row i, unnormalised; inv = 1 / row sum, lse = log-sum-exp (natural log, sink excluded).
+// One split: bf16 output with the sink and the inverse RoPE; several: f32 partials O / l
+// and their lse for the combine kernel. `write_lse`: this thread stores the row's lse.
+__device__ __forceinline__ void store_head_rows(const SparseSinkAttentionParams& p, const float (&o)[32][4],
+                                                const float (&lse)[2], const float (&inv)[2], int64_t bs,
+                                                int h_first, int dim_first, bool write_lse, int split) {
+  constexpr int D = kAttnHeadDim;
+  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
+  const int rope_lo = D - p.rope_dim;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int h = h_first + 8 * i;
+    if (h >= p.heads) continue;
+    const int64_t row = bs * p.heads + h;
+    if (p.num_splits == 1) {
+      const float f = inv[i] * sink_factor(p.sink, h, lse[i]);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * D;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        float x0 = o[n][2 * i] * f, x1 = o[n][2 * i + 1] * f;
+        if (p.inv_rope != nullptr && dim >= rope_lo) {
+          const float2 cs =
+              reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
+          inverse_rope_pair(x0, x1, cs);
+        }
+        *reinterpret_cast<uint32_t*>(out + dim) = pack_bf16x2(x0, x1);
+      }
+      if (write_lse) p.lse[row] = lse[i];
+    } else {
+      float* po = p.partial_out + (int64_t(split) * rows + row) * D;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        *reinterpret_cast<float2*>(po + dim) = make_float2(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
+      }
+      if (write_lse) p.partial_lse[int64_t(split) * rows + row] = lse[i];
+    }
+  }
+}
+
+// Merges split-K partials (one warp per output row), then sink and inverse RoPE.
+cudaError_t launch_sparse_sink_attention_combine(const SparseSinkAttentionParams& p, cudaStream_t stream);
+
+}  // namespace jds

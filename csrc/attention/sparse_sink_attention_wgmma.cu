@@ -1,0 +1,285 @@
+// Sparse sink attention on Hopper warpgroup MMA (wgmma), bf16 row pools. Same contract as
+// sparse_sink_attention.cu (params.h); written to remove that kernel's bottleneck, which ncu
+// located in shared-memory traffic: with mma.sync every warp re-reads its K and V fragments
+// through ldmatrix (about 650 KB of shared-memory reads per 64-row tile for 64 heads), and
+// wgmma reads each operand tile once per warpgroup instruction.
+//
+// One CTA = 64 query heads of one (request, query row) over a split of the row list, as in
+// the mma.sync kernel, with two consumer warpgroups and no dedicated producer:
+//   * every thread gathers: row tile t + 1 is copied with per-thread 16-byte `cp.async`
+//     (row `tid / 4`, 16-byte chunks `tid % 4 + 4 i`) while tile t is computed; masked rows
+//     (index outside [0, n), or past the list) are zero-filled and flagged in `s_valid`;
+//   * shared memory holds Q [64 x 512] and two row tiles [64 x 512] in wgmma's no-swizzle
+//     layout: the 16-byte chunk j (dims 8j .. 8j + 7) of row r sits at
+//     j * 1024 + (r / 8) * 128 + (r % 8) * 16. One tile then serves both products: K-major
+//     B of S = Q K^T (LBO 1024 between the k16 halves, SBO 128 between 8-row groups) and
+//     MN-major B of O = P V (LBO 128 between 8-key groups, SBO 1024 between 8-dim groups);
+//   * each warpgroup computes the whole S [64 x 64] (m64n64k16, both operands from shared
+//     memory, 32 steps over D), so row maxima and sums need no exchange between warpgroups;
+//     it then multiplies its P (registers, the m16n8k16 A layout) by its half of V's columns
+//     (m64n256k16, 4 steps over the 64 keys): warpgroup c owns output dims 256c .. 256c + 255.
+//   Redundant S costs 1.5x the tensor work of the minimum and saves a P exchange through
+//   shared memory and its barriers.
+// Split-K partials and the epilogue are the mma.sync kernel's (attention/epilogue.cuh).
+//
+// FP8 pools are not handled here (run_sparse_sink_attention_wgmma returns
+// cudaErrorNotSupported for them). Status: compiled for sm_90a, not yet run on a GPU; the
+// library still dispatches to the mma.sync kernel (docs/kernels.md).
+#include <cuda_bf16.h>
+
+#include <cfloat>
+#include <cmath>
+
+#include "attention/epilogue.cuh"
+#include "attention/params.h"
+#include "common/ptx.cuh"
+#include "common/wgmma.cuh"
+
+namespace jds {
+namespace {
+
+constexpr int D = kAttnHeadDim;
+constexpr int BM = kAttnHeadsPerCta;
+constexpr int BK = kAttnKeysPerTile;
+constexpr int kChunks = D / 8;                // 16-byte chunks per row
+constexpr int kChunkColumn = BK * 16;         // bytes of one chunk index over 64 rows
+constexpr int kTileBytes = kChunks * kChunkColumn;
+constexpr int kThreads = 256;                 // two warpgroups
+constexpr int kChunksPerThread = kChunks / 4;  // 4 threads per row
+constexpr int kOffQ = 0;
+constexpr int kOffKV = kTileBytes;
+constexpr int kOffValid = kOffKV + 2 * kTileBytes;
+constexpr int kSmemBytes = kOffValid + 2 * BK;
+static_assert(BM == 64 && BK == 64, "one row per 4 threads, 64 rows per tile and per Q block");
+static_assert(kThreads == 4 * BK, "the gather maps thread -> (row, chunk phase)");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t chunk_offset(int row, int chunk) {
+  return chunk * kChunkColumn + (row >> 3) * 128 + (row & 7) * 16;
+}
+
+// Index of row `row` of tile t in the concatenated [main | extra] list (-1 past the split).
+__device__ __forceinline__ int row_index(const SparseSinkAttentionParams& p, int t, int key_begin, int key_end,
+                                         int64_t bs, int row) {
+  const int j = key_begin + t * BK + row;
+  if (j >= key_end) return -1;
+  return j < p.k_main ? p.main_idx[bs * p.k_main + j] : p.extra_idx[bs * p.k_extra + (j - p.k_main)];
+}
+
+// This thread's share of tile t: 16 chunks of row `row` into stage t % 2, or zeros when the
+// row is masked (so a zero probability never meets stale NaN bytes).
+__device__ __forceinline__ void gather_tile(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
+                                            int key_begin, int key_end, int row, int phase, int idx) {
+  const int stage = t & 1;
+  const int j = key_begin + t * BK + row;
+  const bool in_main = j < p.k_main;
+  const int64_t n = in_main ? p.n_main : p.n_extra;
+  const bool ok = j < key_end && idx >= 0 && idx < n;
+  uint8_t* base = smem + kOffKV + stage * kTileBytes;
+  if (ok) {
+    const uint8_t* src = static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(idx) * (D * 2);
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int chunk = phase + 4 * i;
+      cp_async_16(smem_addr(base + chunk_offset(row, chunk)), src + chunk * 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i)
+      *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = make_uint4(0, 0, 0, 0);
+  }
+  if (phase == 0) smem[kOffValid + stage * BK + row] = ok ? 1 : 0;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int nhb = (p.heads + BM - 1) / BM;
+  const int hb = blockIdx.x % nhb;
+  const int s = blockIdx.x / nhb;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int h0 = hb * BM;
+  const int64_t bs = int64_t(b) * p.seq + s;
+  const int k_total = p.k_main + p.k_extra;
+  const int tiles_all = (k_total + BK - 1) / BK;
+  const int tps = (tiles_all + p.num_splits - 1) / p.num_splits;
+  const int key_begin = split * tps * BK;
+  const int key_end = min(k_total, key_begin + tps * BK);
+  const int ntiles = key_end > key_begin ? (key_end - key_begin + BK - 1) / BK : 0;
+
+  const int tid = threadIdx.x;
+  const int row = tid >> 2;    // gather: row of the tile / head of the Q block
+  const int phase = tid & 3;   // gather: chunks phase, phase + 4, ...
+  const int c = tid >> 7;      // warpgroup: output dims 256c .. 256c + 255
+  const int w = (tid >> 5) & 3;  // warp in the warpgroup: heads 16w .. 16w + 15
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int q4 = lane & 3;
+
+  // Q block (absent heads as zeros) and tile 0: cp.async group 0.
+  {
+    const int h = h0 + row;
+    const uint8_t* src = static_cast<const uint8_t*>(p.q) + (bs * p.heads + h) * int64_t(D * 2);
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int chunk = phase + 4 * i;
+      uint8_t* dst = smem + kOffQ + chunk_offset(row, chunk);
+      if (h < p.heads)
+        cp_async_16(smem_addr(dst), src + chunk * 16);
+      else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  int next_idx = -1;
+  if (ntiles > 0) gather_tile(p, smem, 0, key_begin, key_end, row, phase, row_index(p, 0, key_begin, key_end, bs, row));
+  cp_async_commit();
+  if (ntiles > 1) next_idx = row_index(p, 1, key_begin, key_end, bs, row);
+
+  float o[32][4];
+#pragma unroll
+  for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max, log2 units
+  float l_run[2] = {0.f, 0.f};              // this thread's share of the row sums
+  const float sl2 = p.scale * kLog2e;
+  const uint32_t q_base = smem_addr(smem + kOffQ);
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int stage = t & 1;
+    // Tile t + 1 into the other stage (last read in iteration t - 1, which ended with a
+    // barrier after every warpgroup's wgmma had completed), and the index one tile further.
+    if (t + 1 < ntiles) {
+      gather_tile(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
+      if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
+    }
+    cp_async_commit();  // possibly empty: one group per iteration keeps the count uniform
+    cp_async_wait<1>();  // this thread's copies of tile t (and of Q) have landed
+    fence_proxy_async_shared();  // its plain and cp.async stores, before wgmma reads them
+    __syncthreads();
+
+    const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
+    const uint8_t* s_valid = smem + kOffValid + stage * BK;
+
+    // S = Q K^T over D: 32 steps of k16; warp w gets rows 16w .. 16w + 15.
+    float sc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sc[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint64_t da = gmma_desc_noswizzle(q_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
+      const uint64_t db = gmma_desc_noswizzle(kv_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
+      wgmma_m64n64k16_ss(sc, da, db, ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) reg_fence(sc[i]);
+
+    // Online softmax: sc[4j + e] is row 16w + g + 8 (e >> 1), key 8j + 2 q4 + (e & 1); a
+    // row's 64 keys live in the 4 threads of a quad.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 8 * j + 2 * q4 + (e & 1);
+        const float x = s_valid[key] ? sc[4 * j + e] * sl2 : -INFINITY;
+        sc[4 * j + e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float m_new = fmaxf(m_run[i], mx[i]);
+      mu[i] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[i] = exp2f(m_run[i] - mu[i]);
+      m_run[i] = m_new;
+    }
+    // P as the A operand of O += P V: k-step ks covers keys 16 ks .. 16 ks + 15, i.e. the
+    // accumulator blocks j = 2 ks (a0: row g, a1: row g + 8) and 2 ks + 1 (a2, a3).
+    uint32_t pa[4][4];
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float pv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pv[e] = exp2f(sc[4 * j + e] - mu[e >> 1]);
+        rs[e >> 1] += pv[e];
+      }
+      pa[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
+      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+
+    // O[:, 256c .. 256c + 255] += P V: 4 steps of k16 over the tile's keys.
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ++ks) {
+      const uint64_t dv = gmma_desc_noswizzle(kv_base + c * 32 * kChunkColumn + ks * 2 * 128, 128, kChunkColumn);
+      wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      reg_fence(o[n][0]);
+      reg_fence(o[n][1]);
+      reg_fence(o[n][2]);
+      reg_fence(o[n][3]);
+    }
+    __syncthreads();  // every warpgroup is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
+
+  // Epilogue: quad sums; both warpgroups hold whole rows, warpgroup 0 stores the lse.
+  float lse[2], inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float l = l_run[i];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    lse[i] = (m_run[i] == -INFINITY || !(l > 0.f)) ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
+    inv[i] = l > 0.f ? 1.f / l : 0.f;
+  }
+  store_head_rows(p, o, lse, inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
+}
+
+}  // namespace
+
+cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.main_fp8 || p.extra_fp8) return cudaErrorNotSupported;
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  static bool configured[64] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    err = cudaFuncSetAttribute(sparse_sink_attention_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) configured[dev] = true;
+  }
+  const int nhb = (p.heads + BM - 1) / BM;
+  const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
+  sparse_sink_attention_wgmma_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return launch_sparse_sink_attention_combine(p, stream);
+}
+
+}  // namespace jds
