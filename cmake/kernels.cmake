@@ -52,6 +52,11 @@ add_library(jax_dspark_objs OBJECT
   ffi/registry.cc)
 set_target_properties(jax_dspark_objs PROPERTIES
   POSITION_INDEPENDENT_CODE ON CXX_STANDARD 17 CUDA_STANDARD 17)
+set(JAX_DSPARK_MBAR_TIMEOUT_CYCLES "" CACHE STRING
+    "diagnostic build: mbarrier waits trap after this many cycles (empty = wait forever, the release form)")
+if(JAX_DSPARK_MBAR_TIMEOUT_CYCLES)
+  target_compile_definitions(jax_dspark_objs PRIVATE JDS_MBAR_TIMEOUT_CYCLES=${JAX_DSPARK_MBAR_TIMEOUT_CYCLES})
+endif()
 target_include_directories(jax_dspark_objs PRIVATE
   "${CMAKE_CURRENT_SOURCE_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc")
 target_include_directories(jax_dspark_objs SYSTEM PRIVATE

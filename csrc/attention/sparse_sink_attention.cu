@@ -23,7 +23,7 @@
 #include <cfloat>
 #include <cmath>
 
-#include "attention/epilogue.cuh"
+#include "attention/common.cuh"
 #include "attention/params.h"
 #include "common/ptx.cuh"
 
@@ -306,19 +306,10 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_sink_attention_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
-  const int nhb = (p.heads + BM - 1) / BM;
-  const int hb = blockIdx.x % nhb;
-  const int s = blockIdx.x / nhb;
-  const int split = blockIdx.y;
-  const int b = blockIdx.z;
-  const int h0 = hb * BM;
-  const int64_t bs = int64_t(b) * p.seq + s;
-  const int k_total = p.k_main + p.k_extra;
-  const int tiles_all = (k_total + BK - 1) / BK;
-  const int tps = (tiles_all + p.num_splits - 1) / p.num_splits;
-  const int key_begin = split * tps * BK;
-  const int key_end = min(k_total, key_begin + tps * BK);
-  const int ntiles = key_end > key_begin ? (key_end - key_begin + BK - 1) / BK : 0;
+  const AttnWorkItem item = attn_work_item(p);
+  const int h0 = item.h0, split = item.split, key_begin = item.key_begin, key_end = item.key_end;
+  const int ntiles = item.ntiles;
+  const int64_t bs = item.bs;
 
   uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + kOffBar);
   uint64_t* bar_full = bar_q + 1;

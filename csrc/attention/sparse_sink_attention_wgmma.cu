@@ -20,7 +20,7 @@
 //     (m64n256k16, 4 steps over the 64 keys): warpgroup c owns output dims 256c .. 256c + 255.
 //   Redundant S costs 1.5x the tensor work of the minimum and saves a P exchange through
 //   shared memory and its barriers.
-// Split-K partials and the epilogue are the mma.sync kernel's (attention/epilogue.cuh).
+// Split-K partials and the epilogue are the mma.sync kernel's (attention/common.cuh).
 //
 // FP8 pools are not handled here (run_sparse_sink_attention_wgmma returns
 // cudaErrorNotSupported for them). Status: compiled for sm_90a, not yet run on a GPU; the
@@ -30,7 +30,7 @@
 #include <cfloat>
 #include <cmath>
 
-#include "attention/epilogue.cuh"
+#include "attention/common.cuh"
 #include "attention/params.h"
 #include "common/ptx.cuh"
 #include "common/wgmma.cuh"
@@ -96,19 +96,10 @@ __device__ __forceinline__ void gather_tile(const SparseSinkAttentionParams& p, 
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
-  const int nhb = (p.heads + BM - 1) / BM;
-  const int hb = blockIdx.x % nhb;
-  const int s = blockIdx.x / nhb;
-  const int split = blockIdx.y;
-  const int b = blockIdx.z;
-  const int h0 = hb * BM;
-  const int64_t bs = int64_t(b) * p.seq + s;
-  const int k_total = p.k_main + p.k_extra;
-  const int tiles_all = (k_total + BK - 1) / BK;
-  const int tps = (tiles_all + p.num_splits - 1) / p.num_splits;
-  const int key_begin = split * tps * BK;
-  const int key_end = min(k_total, key_begin + tps * BK);
-  const int ntiles = key_end > key_begin ? (key_end - key_begin + BK - 1) / BK : 0;
+  const AttnWorkItem item = attn_work_item(p);
+  const int h0 = item.h0, split = item.split, key_begin = item.key_begin, key_end = item.key_end;
+  const int ntiles = item.ntiles;
+  const int64_t bs = item.bs;
 
   const int tid = threadIdx.x;
   const int row = tid >> 2;    // gather: row of the tile / head of the Q block

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include <cstdio>
+
 namespace jds {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -32,6 +34,35 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
+#ifdef JDS_MBAR_TIMEOUT_CYCLES
+// Diagnostic build (cmake -DJAX_DSPARK_MBAR_TIMEOUT_CYCLES=N): a wait that has not completed
+// after N clock cycles prints where it stood and traps, so a barrier protocol that can wait
+// forever shows up as a launch failure naming the barrier instead of a hung process.
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - start > (long long)(JDS_MBAR_TIMEOUT_CYCLES)) {
+      printf("jax_dspark: mbarrier wait timed out: block (%d,%d,%d) thread %d barrier smem+%u parity %u\n",
+             blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, smem_addr(bar), parity);
+      __trap();
+    }
+  }
+}
+#else
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -43,6 +74,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+#endif
 
 // ---- bulk copy global -> shared, completing on an mbarrier (Hopper copy engine) -------
 // `bytes` must be a multiple of 16 and both addresses 16-byte aligned.

@@ -1,5 +1,6 @@
-// Epilogue shared by the sparse sink attention kernels (mma.sync and wgmma): the sink, the
-// inverse RoPE, and the store of a thread's two output rows, whole or as split-K partials.
+// What the sparse sink attention kernels (mma.sync and wgmma) share: the CTA's work item
+// (64 heads of one query row, one split of its row list), the sink, the inverse RoPE, and
+// the store of a thread's two output rows, whole or as split-K partials.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,6 +11,29 @@
 #include "common/ptx.cuh"
 
 namespace jds {
+
+// One CTA: heads h0 .. h0 + 63 of query row bs = (b, s), rows [key_begin, key_end) of the
+// concatenated [main | extra] list (split `split` of num_splits), in ntiles tiles of BK.
+struct AttnWorkItem {
+  int h0, split, key_begin, key_end, ntiles;
+  int64_t bs;
+};
+
+__device__ __forceinline__ AttnWorkItem attn_work_item(const SparseSinkAttentionParams& p) {
+  constexpr int BM = kAttnHeadsPerCta, BK = kAttnKeysPerTile;
+  const int nhb = (p.heads + BM - 1) / BM;
+  AttnWorkItem w;
+  w.h0 = (blockIdx.x % nhb) * BM;
+  w.bs = int64_t(blockIdx.z) * p.seq + blockIdx.x / nhb;
+  w.split = blockIdx.y;
+  const int k_total = p.k_main + p.k_extra;
+  const int tiles_all = (k_total + BK - 1) / BK;
+  const int tps = (tiles_all + p.num_splits - 1) / p.num_splits;  // = attn_tiles_per_split
+  w.key_begin = w.split * tps * BK;
+  w.key_end = min(k_total, w.key_begin + tps * BK);
+  w.ntiles = w.key_end > w.key_begin ? (w.key_end - w.key_begin + BK - 1) / BK : 0;
+  return w;
+}
 
 __device__ __forceinline__ float sink_factor(const float* sink, int h, float lse) {
   // out = (sum_j p_j v_j) / (sum_j p_j + exp(sink)) = normalized * 1 / (1 + exp(sink - lse)).
