@@ -7,6 +7,10 @@
 // Either pool may be FP8 (attributes main_fp8 / extra_fp8): its rows buffer is then e4m3
 // [N, 448] and the pool's RoPE dims (bf16 [N, 64]) and scale bytes (uint8 [N, 8]) come as
 // their own operands; for a bf16 pool those two operands are unused (pass empty arrays).
+//
+// Two targets share this handler: jax_dspark_sparse_sink_attention (the mma.sync kernel,
+// bf16 or FP8 pools) and jax_dspark_sparse_sink_attention_wgmma (the wgmma kernel, bf16
+// pools only; opt-in from Python while it awaits validation, docs/kernels.md).
 #include <cstdint>
 #include <string>
 
@@ -28,6 +32,7 @@ ffi::Error bad(const std::string& msg) {
   return ffi::Error::InvalidArgument("jax_dspark_sparse_sink_attention: " + msg);
 }
 
+template <bool kWgmma>
 ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num_splits, int32_t has_sink,
                                    int32_t rope_dim, int32_t main_fp8, int32_t extra_fp8, ffi::AnyBuffer q,
                                    ffi::AnyBuffer main_rows, ffi::AnyBuffer main_idx, ffi::AnyBuffer extra_rows,
@@ -73,6 +78,9 @@ ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num
   };
   if (main_fp8 != 0 && main_fp8 != 1) return bad("main_fp8 must be 0 or 1, got " + std::to_string(main_fp8));
   if (extra_fp8 != 0 && extra_fp8 != 1) return bad("extra_fp8 must be 0 or 1, got " + std::to_string(extra_fp8));
+  if (kWgmma && (main_fp8 || extra_fp8))
+    return bad("the wgmma kernel takes bf16 pools only (main_fp8 = " + std::to_string(main_fp8) +
+               ", extra_fp8 = " + std::to_string(extra_fp8) + "); FP8 pools go to the mma.sync target");
   if (main_fp8) {
     if (auto e = check_fp8_pool(main_rows, main_rope, main_scale, "main"); e.failure()) return e;
   } else if (auto e = check_rows(main_rows, "main_rows"); e.failure()) {
@@ -134,35 +142,42 @@ ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num
   p.main_scale = main_fp8 ? static_cast<const uint8_t*>(main_scale.untyped_data()) : nullptr;
   p.extra_rope = extra_fp8 ? extra_rope.untyped_data() : nullptr;
   p.extra_scale = extra_fp8 ? static_cast<const uint8_t*>(extra_scale.untyped_data()) : nullptr;
-  const cudaError_t err = jds::run_sparse_sink_attention(p, stream);
+  const cudaError_t err =
+      kWgmma ? jds::run_sparse_sink_attention_wgmma(p, stream) : jds::run_sparse_sink_attention(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_dspark_sparse_sink_attention: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
+// Attributes, then 11 operands, then 3 results (ffi/handlers.h lists them).
+auto AttentionBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Attr<float>("scale")
+      .Attr<int32_t>("num_splits")
+      .Attr<int32_t>("has_sink")
+      .Attr<int32_t>("rope_dim")
+      .Attr<int32_t>("main_fp8")
+      .Attr<int32_t>("extra_fp8")
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()  // main_rope   (FP8 main pool)
+      .Arg<ffi::AnyBuffer>()  // main_scale
+      .Arg<ffi::AnyBuffer>()  // extra_rope  (FP8 extra pool)
+      .Arg<ffi::AnyBuffer>()  // extra_scale
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsparkSparseSinkAttention, SparseSinkAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("num_splits")
-                                  .Attr<int32_t>("has_sink")
-                                  .Attr<int32_t>("rope_dim")
-                                  .Attr<int32_t>("main_fp8")
-                                  .Attr<int32_t>("extra_fp8")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()  // main_rope   (FP8 main pool)
-                                  .Arg<ffi::AnyBuffer>()  // main_scale
-                                  .Arg<ffi::AnyBuffer>()  // extra_rope  (FP8 extra pool)
-                                  .Arg<ffi::AnyBuffer>()  // extra_scale
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsparkSparseSinkAttention, SparseSinkAttentionImpl<false>, AttentionBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsparkSparseSinkAttentionWgmma, SparseSinkAttentionImpl<true>, AttentionBinding(),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -13,7 +13,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "jax-dspark XLA FFI handlers (CUDA, sm_90a)";
   m.def("targets", [] {
     py::dict d;
-    for (const char* name : {"jax_dspark_sparse_sink_attention", "jax_dspark_rms_norm_rope",
+    for (const char* name : {"jax_dspark_sparse_sink_attention", "jax_dspark_sparse_sink_attention_wgmma",
+                             "jax_dspark_rms_norm_rope",
                              "jax_dspark_rms_norm_rope_fp8"})
       d[name] = py::capsule(jax_dspark_handler(name));
 #ifdef JAX_DSPARK_WITH_MOE  // cmake/moe.cmake

@@ -15,6 +15,7 @@ struct Target {
 
 constexpr Target kTargets[] = {
     {"jax_dspark_sparse_sink_attention", JaxDsparkSparseSinkAttention},
+    {"jax_dspark_sparse_sink_attention_wgmma", JaxDsparkSparseSinkAttentionWgmma},
     {"jax_dspark_rms_norm_rope", JaxDsparkRmsNormRope},
     {"jax_dspark_rms_norm_rope_fp8", JaxDsparkRmsNormRopeFp8},
 #ifdef JAX_DSPARK_WITH_MOE  // cmake/moe.cmake: built when CUTLASS headers were found
@@ -36,6 +37,7 @@ void jax_dspark_ffi_api_version(int* major, int* minor) {
 
 const char* jax_dspark_target_names() {
   return "jax_dspark_sparse_sink_attention=JaxDsparkSparseSinkAttention,"
+         "jax_dspark_sparse_sink_attention_wgmma=JaxDsparkSparseSinkAttentionWgmma,"
          "jax_dspark_rms_norm_rope=JaxDsparkRmsNormRope,"
          "jax_dspark_rms_norm_rope_fp8=JaxDsparkRmsNormRopeFp8"
 #ifdef JAX_DSPARK_WITH_MOE

@@ -77,6 +77,23 @@ def check(args, **kw):
 
 def test_kernel_is_registered_on_the_h200():
     assert _ffi.kernel_report()["sparse_sink_attention"] == _ffi.REGISTERED
+    assert _ffi.kernel_report()["sparse_sink_attention_wgmma"] == _ffi.REGISTERED
+
+
+def test_env_switch_sends_bf16_calls_to_the_wgmma_target(monkeypatch):
+    """`JAX_DSPARK_ATTENTION_KERNEL=wgmma pytest -m gpu tests/test_kernels_attention.py -k "not
+    fp8"` runs every bf16 case below on the wgmma kernel; this pins that the switch reaches
+    the lowered program."""
+    args, _ = make_case(0, 1, 1, 64, 70)
+
+    def lowered():
+        with ops.force("kernel"):
+            return jax.jit(lambda a: ops.sparse_sink_attention(**a, scale=0.05)).lower(args).as_text()
+
+    monkeypatch.setenv("JAX_DSPARK_ATTENTION_KERNEL", "wgmma")
+    assert "jax_dspark_sparse_sink_attention_wgmma" in lowered()
+    monkeypatch.setenv("JAX_DSPARK_ATTENTION_KERNEL", "mma")
+    assert "jax_dspark_sparse_sink_attention_wgmma" not in lowered()
 
 
 @pytest.mark.parametrize("h", [64, 128])

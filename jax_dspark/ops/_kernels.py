@@ -13,6 +13,7 @@ which dummies stand in for absent optional inputs, and each op's `vmap_method`.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +126,7 @@ def sparse_sink_attention(
         jax.ShapeDtypeStruct((b, s, h), jnp.float32),
         jax.ShapeDtypeStruct((max(1, attention_workspace_floats(b, s, h, splits)),), jnp.float32),
     )
-    call = jax.ffi.ffi_call("jax_dspark_sparse_sink_attention", out_types, vmap_method="sequential")
+    call = jax.ffi.ffi_call(attention_target(main_fp8 or extra_fp8), out_types, vmap_method="sequential")
     out, lse, _ = call(
         q,
         main_rows,
@@ -146,6 +147,27 @@ def sparse_sink_attention(
         extra_fp8=np.int32(extra_fp8),
     )
     return (out, lse) if return_lse else out
+
+
+ATTENTION_KERNEL_ENV = "JAX_DSPARK_ATTENTION_KERNEL"
+
+
+def attention_target(fp8: bool) -> str:
+    """FFI target for one attention call (read at trace time).
+
+    `JAX_DSPARK_ATTENTION_KERNEL` = "mma" (default: the mma.sync kernel) or "wgmma" (the
+    wgmma kernel, opt-in until validated on a GPU, docs/kernels.md). The wgmma kernel takes
+    bf16 pools only, so calls with an FP8 pool stay on the mma.sync target.
+    """
+    choice = os.environ.get(ATTENTION_KERNEL_ENV, "mma")
+    if choice not in ("mma", "wgmma"):
+        raise ValueError(f"{ATTENTION_KERNEL_ENV}: must be 'mma' or 'wgmma' (got {choice!r})")
+    if choice == "mma" or fp8:
+        return "jax_dspark_sparse_sink_attention"
+    reason = _ffi.kernel_report().get("sparse_sink_attention_wgmma", "unknown kernel")
+    if reason != _ffi.REGISTERED:
+        raise RuntimeError(f"{ATTENTION_KERNEL_ENV}=wgmma but the wgmma kernel is not available: {reason}")
+    return "jax_dspark_sparse_sink_attention_wgmma"
 
 
 def _pool_operands(rows):
