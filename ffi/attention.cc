@@ -8,9 +8,9 @@
 // [N, 448] and the pool's RoPE dims (bf16 [N, 64]) and scale bytes (uint8 [N, 8]) come as
 // their own operands; for a bf16 pool those two operands are unused (pass empty arrays).
 //
-// Two targets share this handler: jax_dspark_sparse_sink_attention (the mma.sync kernel,
-// bf16 or FP8 pools) and jax_dspark_sparse_sink_attention_wgmma (the wgmma kernel, bf16
-// pools only; opt-in from Python while it awaits validation, docs/kernels.md).
+// Two targets share this handler: jax_dspark_sparse_sink_attention (the mma.sync kernel)
+// and jax_dspark_sparse_sink_attention_wgmma (the wgmma kernel; opt-in from Python while it
+// awaits validation on a GPU, docs/kernels.md). Both take bf16 or FP8 pools.
 #include <cstdint>
 #include <string>
 
@@ -78,9 +78,6 @@ ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num
   };
   if (main_fp8 != 0 && main_fp8 != 1) return bad("main_fp8 must be 0 or 1, got " + std::to_string(main_fp8));
   if (extra_fp8 != 0 && extra_fp8 != 1) return bad("extra_fp8 must be 0 or 1, got " + std::to_string(extra_fp8));
-  if (kWgmma && (main_fp8 || extra_fp8))
-    return bad("the wgmma kernel takes bf16 pools only (main_fp8 = " + std::to_string(main_fp8) +
-               ", extra_fp8 = " + std::to_string(extra_fp8) + "); FP8 pools go to the mma.sync target");
   if (main_fp8) {
     if (auto e = check_fp8_pool(main_rows, main_rope, main_scale, "main"); e.failure()) return e;
   } else if (auto e = check_rows(main_rows, "main_rows"); e.failure()) {

@@ -10,7 +10,7 @@ extern "C" {
 // main_rope, main_scale, extra_rope, extra_scale -> out, lse, workspace. Attributes: scale
 // (f32), num_splits, has_sink, rope_dim, main_fp8, extra_fp8 (i32).
 XLA_FFI_Error* JaxDsparkSparseSinkAttention(XLA_FFI_CallFrame* call_frame);
-// The same operands and attributes on the wgmma kernel (bf16 pools only).
+// The same operands and attributes on the wgmma kernel.
 XLA_FFI_Error* JaxDsparkSparseSinkAttentionWgmma(XLA_FFI_CallFrame* call_frame);
 
 // RMSNorm + RoPE prep: x, weight, freqs -> y. Attributes: eps (f32), inverse, rope_dim (i32).

@@ -29,17 +29,16 @@ def test_kernel_report_names_every_kernel_with_a_reason():
     assert all(reason != _ffi.REGISTERED and reason for reason in report.values())
 
 
-def test_attention_target_follows_the_env_switch_and_keeps_fp8_on_mma(monkeypatch):
+def test_attention_target_follows_the_env_switch(monkeypatch):
     monkeypatch.delenv(_kernels.ATTENTION_KERNEL_ENV, raising=False)
-    assert _kernels.attention_target(fp8=False) == "jax_dspark_sparse_sink_attention"
-    monkeypatch.setenv(_kernels.ATTENTION_KERNEL_ENV, "wgmma")
-    assert _kernels.attention_target(fp8=True) == "jax_dspark_sparse_sink_attention"
+    assert _kernels.attention_target() == "jax_dspark_sparse_sink_attention"
     # No GPU here: asking for the wgmma kernel names why it is unavailable.
+    monkeypatch.setenv(_kernels.ATTENTION_KERNEL_ENV, "wgmma")
     with pytest.raises(RuntimeError, match="wgmma kernel is not available"):
-        _kernels.attention_target(fp8=False)
+        _kernels.attention_target()
     monkeypatch.setenv(_kernels.ATTENTION_KERNEL_ENV, "cutlass")
     with pytest.raises(ValueError, match="'cutlass'"):
-        _kernels.attention_target(fp8=False)
+        _kernels.attention_target()
 
 
 def test_forcing_an_unavailable_kernel_raises_with_its_name():

@@ -80,10 +80,10 @@ def test_kernel_is_registered_on_the_h200():
     assert _ffi.kernel_report()["sparse_sink_attention_wgmma"] == _ffi.REGISTERED
 
 
-def test_env_switch_sends_bf16_calls_to_the_wgmma_target(monkeypatch):
-    """`JAX_DSPARK_ATTENTION_KERNEL=wgmma pytest -m gpu tests/test_kernels_attention.py -k "not
-    fp8"` runs every bf16 case below on the wgmma kernel; this pins that the switch reaches
-    the lowered program."""
+def test_env_switch_sends_calls_to_the_wgmma_target(monkeypatch):
+    """`JAX_DSPARK_ATTENTION_KERNEL=wgmma pytest -m gpu tests/test_kernels_attention.py` runs
+    every case below (bf16 and FP8 pools) on the wgmma kernel; this pins that the switch
+    reaches the lowered program."""
     args, _ = make_case(0, 1, 1, 64, 70)
 
     def lowered():

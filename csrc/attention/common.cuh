@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 
@@ -91,6 +93,20 @@ __device__ __forceinline__ void store_head_rows(const SparseSinkAttentionParams&
       if (write_lse) p.partial_lse[int64_t(split) * rows + row] = lse[i];
     }
   }
+}
+
+// UE8M0 byte -> 2^(e - 127) as an exact float (e = 0 is the subnormal 2^-127, 255 is inf).
+__device__ __forceinline__ float ue8m0_scale(uint32_t e) {
+  return __int_as_float(e ? int(e << 23) : 0x00400000);
+}
+
+// Two e4m3 values (low byte first) times a power of two, as packed bf16x2. e4m3 -> f16 is
+// exact, the product is exact (power-of-two scale), and so is the rounding to bf16 (4
+// significant bits), barring overflow/underflow of the scale itself.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
+  const __half2 h(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xFFFFu), __NV_E4M3));
+  const float2 f = __half22float2(h);
+  return pack_bf16x2(f.x * s, f.y * s);
 }
 
 // Merges split-K partials (one warp per output row), then sink and inverse RoPE.

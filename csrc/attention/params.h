@@ -65,9 +65,9 @@ inline int64_t attn_workspace_floats(int batch, int seq, int heads, int num_spli
 
 cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
-// The same attention on Hopper wgmma (sparse_sink_attention_wgmma.cu): bf16 pools only
-// (cudaErrorNotSupported for FP8), same workspace and split-K contract. Not yet validated
-// on a GPU, so nothing dispatches to it except csrc/tools/kernel_driver (`--wgmma`).
+// The same attention on Hopper wgmma (sparse_sink_attention_wgmma.cu), same contract,
+// workspace and split-K. Not yet validated on a GPU: reached through its own FFI target
+// only on request (JAX_DSPARK_ATTENTION_KERNEL=wgmma) and from kernel_driver --wgmma.
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 }  // namespace jds

@@ -224,20 +224,6 @@ __device__ __forceinline__ void finish_tile_fp8(uint8_t* smem, int stage, int la
   if (lane == 0) mbar_arrive(&bar_full[stage]);
 }
 
-// UE8M0 byte -> 2^(e - 127) as an exact float (e = 0 is the subnormal 2^-127, 255 is inf).
-__device__ __forceinline__ float ue8m0_scale(uint32_t e) {
-  return __int_as_float(e ? int(e << 23) : 0x00400000);
-}
-
-// Two e4m3 values (low byte first) times a power of two, as packed bf16x2. e4m3 -> f16 is
-// exact, the product is exact (power-of-two scale), and so is the rounding to bf16 (4
-// significant bits), barring overflow/underflow of the scale itself.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
-  const __half2 h(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xFFFFu), __NV_E4M3));
-  const float2 f = __half22float2(h);
-  return pack_bf16x2(f.x * s, f.y * s);
-}
-
 // All eight warps expand the tile's FP8 rows in place (warp w: rows 8w..8w+7, two rows per
 // step). Lane l < 28 reads the 16 e4m3 bytes of dims 16l..16l+15 (at byte 448 + 16l of the
 // slot) and, after a warp sync (the writes of lanes 14..27 overlap the bytes being read),

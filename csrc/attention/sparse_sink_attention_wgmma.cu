@@ -22,9 +22,13 @@
 //   shared memory and its barriers.
 // Split-K partials and the epilogue are the mma.sync kernel's (attention/common.cuh).
 //
-// FP8 pools are not handled here (run_sparse_sink_attention_wgmma returns
-// cudaErrorNotSupported for them). Status: compiled for sm_90a, not yet run on a GPU; the
-// library still dispatches to the mma.sync kernel (docs/kernels.md).
+// FP8 pools (params.h: 448 e4m3 + 64 bf16 RoPE dims + UE8M0 scales per row), second
+// instantiation: the thread that owns a row's chunks copies its 8-byte e4m3 chunks into a
+// staging row (cp.async 8 B), its RoPE chunks straight into the tile (cp.async 16 B) and the
+// row's 8 scale bytes into registers; one iteration later, before the tile is used, the same
+// thread expands its own chunks to bf16 in the tile (exact, as in the mma.sync kernel), so
+// the staging row needs no barrier of its own and the MMA pipeline is unchanged. Status:
+// compiled for sm_90a, not yet run on a GPU; opt-in (docs/kernels.md).
 #include <cuda_bf16.h>
 
 #include <cfloat>
@@ -50,6 +54,14 @@ constexpr int kOffQ = 0;
 constexpr int kOffKV = kTileBytes;
 constexpr int kOffValid = kOffKV + 2 * kTileBytes;
 constexpr int kSmemBytes = kOffValid + 2 * BK;
+// FP8 instantiation: one staging row of e4m3 bytes per tile row (the tile in flight).
+constexpr int kNopeChunks = kAttnNopeDim / 8;  // 8-dim chunks held as e4m3 (56)
+constexpr int kOffStaging = kSmemBytes;
+constexpr int kSmemBytesFp8 = kOffStaging + BK * kAttnNopeDim;
+static_assert(kOffStaging % 16 == 0 && kAttnNopeDim % 16 == 0, "staging rows keep 8-byte cp.async alignment");
+static_assert(kSmemBytesFp8 <= 227 * 1024, "shared memory budget of one H100/H200 CTA (FP8)");
+static_assert(kNopeChunks % 4 == 0 && kNopeChunks / 4 == 14, "each thread holds 14 nope + 2 RoPE chunks of its row");
+static_assert(kAttnScaleBlock == 64, "expand_fp8_row: chunk i of a thread uses scale block i / 2");
 static_assert(BM == 64 && BK == 64, "one row per 4 threads, 64 rows per tile and per Q block");
 static_assert(kThreads == 4 * BK, "the gather maps thread -> (row, chunk phase)");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
@@ -69,31 +81,78 @@ __device__ __forceinline__ int row_index(const SparseSinkAttentionParams& p, int
   return j < p.k_main ? p.main_idx[bs * p.k_main + j] : p.extra_idx[bs * p.k_extra + (j - p.k_main)];
 }
 
+// What a thread keeps of the row it issued: whether it is an FP8 row still to expand, and
+// that row's 8 UE8M0 scale bytes.
+struct IssuedRow {
+  bool fp8;
+  uint2 scale;
+};
+
 // This thread's share of tile t: 16 chunks of row `row` into stage t % 2, or zeros when the
-// row is masked (so a zero probability never meets stale NaN bytes).
-__device__ __forceinline__ void gather_tile(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
-                                            int key_begin, int key_end, int row, int phase, int idx) {
+// row is masked (so a zero probability never meets stale NaN bytes). An FP8 row's 14 nope
+// chunks go to the staging row instead (expand_fp8_row turns them into bf16 later).
+template <bool kFp8>
+__device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
+                                                 int key_begin, int key_end, int row, int phase, int idx) {
   const int stage = t & 1;
   const int j = key_begin + t * BK + row;
   const bool in_main = j < p.k_main;
   const int64_t n = in_main ? p.n_main : p.n_extra;
   const bool ok = j < key_end && idx >= 0 && idx < n;
+  const bool f8 = kFp8 && ok && (in_main ? p.main_fp8 : p.extra_fp8) != 0;
   uint8_t* base = smem + kOffKV + stage * kTileBytes;
-  if (ok) {
+  IssuedRow issued{f8, make_uint2(0u, 0u)};
+  if (!ok) {
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i)
+      *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = make_uint4(0, 0, 0, 0);
+  } else if (!f8) {
     const uint8_t* src = static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(idx) * (D * 2);
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
       const int chunk = phase + 4 * i;
       cp_async_16(smem_addr(base + chunk_offset(row, chunk)), src + chunk * 16);
     }
-  } else {
+  } else if constexpr (kFp8) {
+    const uint8_t* nope = static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(idx) * kAttnNopeDim;
+    const uint8_t* rope =
+        static_cast<const uint8_t*>(in_main ? p.main_rope : p.extra_rope) + int64_t(idx) * (2 * kAttnRopeDim);
+    uint8_t* staging = smem + kOffStaging + row * kAttnNopeDim;
 #pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i)
-      *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < kNopeChunks / 4; ++i) {
+      const int chunk = phase + 4 * i;
+      cp_async_8(smem_addr(staging + chunk * 8), nope + chunk * 8);
+    }
+#pragma unroll
+    for (int i = kNopeChunks / 4; i < kChunksPerThread; ++i) {
+      const int chunk = phase + 4 * i;
+      cp_async_16(smem_addr(base + chunk_offset(row, chunk)), rope + (chunk - kNopeChunks) * 16);
+    }
+    const uint8_t* scale_row = (in_main ? p.main_scale : p.extra_scale) + int64_t(idx) * kAttnScaleBytes;
+    issued.scale = __ldg(reinterpret_cast<const uint2*>(scale_row));
   }
   if (phase == 0) smem[kOffValid + stage * BK + row] = ok ? 1 : 0;
+  return issued;
 }
 
+// The issuing thread's 14 nope chunks of its FP8 row: staging (e4m3) -> tile (bf16).
+__device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row, int phase, uint2 scale) {
+  const uint8_t* staging = smem + kOffStaging + row * kAttnNopeDim;
+  uint8_t* base = smem + kOffKV + stage * kTileBytes;
+#pragma unroll
+  for (int i = 0; i < kNopeChunks / 4; ++i) {
+    const int chunk = phase + 4 * i;
+    const int block = i >> 1;  // (phase + 4 i) * 8 dims / 64 per scale = i / 2, as phase < 4
+    const uint32_t byte = ((block < 4 ? scale.x : scale.y) >> (8 * (block & 3))) & 0xFFu;
+    const float sc = ue8m0_scale(byte);
+    const uint2 v = *reinterpret_cast<const uint2*>(staging + chunk * 8);
+    *reinterpret_cast<uint4*>(base + chunk_offset(row, chunk)) =
+        make_uint4(e4m3x2_to_bf16x2(v.x, sc), e4m3x2_to_bf16x2(v.x >> 16, sc), e4m3x2_to_bf16x2(v.y, sc),
+                   e4m3x2_to_bf16x2(v.y >> 16, sc));
+  }
+}
+
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const AttnWorkItem item = attn_work_item(p);
@@ -125,7 +184,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     }
   }
   int next_idx = -1;
-  if (ntiles > 0) gather_tile(p, smem, 0, key_begin, key_end, row, phase, row_index(p, 0, key_begin, key_end, bs, row));
+  IssuedRow in_flight{false, make_uint2(0u, 0u)};
+  if (ntiles > 0)
+    in_flight = gather_tile<kFp8>(p, smem, 0, key_begin, key_end, row, phase, row_index(p, 0, key_begin, key_end, bs, row));
   cp_async_commit();
   if (ntiles > 1) next_idx = row_index(p, 1, key_begin, key_end, bs, row);
 
@@ -139,14 +200,27 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 
   for (int t = 0; t < ntiles; ++t) {
     const int stage = t & 1;
-    // Tile t + 1 into the other stage (last read in iteration t - 1, which ended with a
-    // barrier after every warpgroup's wgmma had completed), and the index one tile further.
-    if (t + 1 < ntiles) {
-      gather_tile(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
-      if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
+    if constexpr (kFp8) {
+      // Tile t must land before its FP8 rows are expanded, and the staging row is refilled
+      // only after this thread has expanded it, so here tile t + 1 is issued after the wait.
+      cp_async_wait<0>();
+      if (in_flight.fp8) expand_fp8_row(smem, stage, row, phase, in_flight.scale);
+      in_flight = IssuedRow{false, make_uint2(0u, 0u)};
+      if (t + 1 < ntiles) {
+        in_flight = gather_tile<kFp8>(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
+        if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
+      }
+      cp_async_commit();
+    } else {
+      // Tile t + 1 into the other stage (last read in iteration t - 1, which ended with a
+      // barrier after every warpgroup's wgmma had completed), and the index one tile further.
+      if (t + 1 < ntiles) {
+        gather_tile<kFp8>(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
+        if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
+      }
+      cp_async_commit();   // possibly empty: one group per iteration keeps the count uniform
+      cp_async_wait<1>();  // this thread's copies of tile t (and of Q) have landed
     }
-    cp_async_commit();  // possibly empty: one group per iteration keeps the count uniform
-    cp_async_wait<1>();  // this thread's copies of tile t (and of Q) have landed
     fence_proxy_async_shared();  // its plain and cp.async stores, before wgmma reads them
     __syncthreads();
 
@@ -250,25 +324,31 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   store_head_rows(p, o, lse, inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
 }
 
-}  // namespace
-
-cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  if (p.main_fp8 || p.extra_fp8) return cudaErrorNotSupported;
-  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+template <bool kFp8>
+cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  constexpr int smem_bytes = kFp8 ? kSmemBytesFp8 : kSmemBytes;
+  // A per-function host setting (not stream work): safe under command-buffer capture.
   static bool configured[64] = {};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64 || !configured[dev]) {
-    err = cudaFuncSetAttribute(sparse_sink_attention_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kSmemBytes);
+    err = cudaFuncSetAttribute(sparse_sink_attention_wgmma_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_bytes);
     if (err != cudaSuccess) return err;
     if (dev >= 0 && dev < 64) configured[dev] = true;
   }
   const int nhb = (p.heads + BM - 1) / BM;
   const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
-  sparse_sink_attention_wgmma_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
+  sparse_sink_attention_wgmma_kernel<kFp8><<<grid, kThreads, smem_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  cudaError_t err = (p.main_fp8 || p.extra_fp8) ? launch_wgmma<true>(p, stream) : launch_wgmma<false>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return launch_sparse_sink_attention_combine(p, stream);
 }

@@ -126,7 +126,7 @@ def sparse_sink_attention(
         jax.ShapeDtypeStruct((b, s, h), jnp.float32),
         jax.ShapeDtypeStruct((max(1, attention_workspace_floats(b, s, h, splits)),), jnp.float32),
     )
-    call = jax.ffi.ffi_call(attention_target(main_fp8 or extra_fp8), out_types, vmap_method="sequential")
+    call = jax.ffi.ffi_call(attention_target(), out_types, vmap_method="sequential")
     out, lse, _ = call(
         q,
         main_rows,
@@ -152,17 +152,17 @@ def sparse_sink_attention(
 ATTENTION_KERNEL_ENV = "JAX_DSPARK_ATTENTION_KERNEL"
 
 
-def attention_target(fp8: bool) -> str:
-    """FFI target for one attention call (read at trace time).
+def attention_target() -> str:
+    """FFI target for attention calls (read at trace time).
 
     `JAX_DSPARK_ATTENTION_KERNEL` = "mma" (default: the mma.sync kernel) or "wgmma" (the
-    wgmma kernel, opt-in until validated on a GPU, docs/kernels.md). The wgmma kernel takes
-    bf16 pools only, so calls with an FP8 pool stay on the mma.sync target.
+    wgmma kernel, opt-in until validated on a GPU, docs/kernels.md). Asking for the wgmma
+    kernel where it is not registered raises with the reason.
     """
     choice = os.environ.get(ATTENTION_KERNEL_ENV, "mma")
     if choice not in ("mma", "wgmma"):
         raise ValueError(f"{ATTENTION_KERNEL_ENV}: must be 'mma' or 'wgmma' (got {choice!r})")
-    if choice == "mma" or fp8:
+    if choice == "mma":
         return "jax_dspark_sparse_sink_attention"
     reason = _ffi.kernel_report().get("sparse_sink_attention_wgmma", "unknown kernel")
     if reason != _ffi.REGISTERED:
