@@ -109,6 +109,28 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
   return pack_bf16x2(f.x * s, f.y * s);
 }
 
+// Launches an attention kernel over its grid: (64-head blocks x query rows, splits, batch).
+// Raising the dynamic shared-memory limit is a per-function host setting, not stream work,
+// so it is safe while XLA captures the stream into a command buffer; done once per device
+// (per instantiation: `configured` is a static of each Kernel).
+template <void (*Kernel)(SparseSinkAttentionParams)>
+cudaError_t launch_attention_grid(const SparseSinkAttentionParams& p, int threads, int smem_bytes,
+                                  cudaStream_t stream) {
+  static bool configured[64] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) configured[dev] = true;
+  }
+  const int nhb = (p.heads + kAttnHeadsPerCta - 1) / kAttnHeadsPerCta;
+  const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
+  Kernel<<<grid, threads, smem_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // Merges split-K partials (one warp per output row), then sink and inverse RoPE.
 cudaError_t launch_sparse_sink_attention_combine(const SparseSinkAttentionParams& p, cudaStream_t stream);
 

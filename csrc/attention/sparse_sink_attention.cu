@@ -538,23 +538,8 @@ __global__ void __launch_bounds__(256) attention_combine_kernel(const SparseSink
 // Launches one instantiation (bf16 pools only, or any FP8 pool).
 template <bool kFp8>
 cudaError_t launch_attention(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  constexpr int smem_bytes = kFp8 ? kSmemBytesFp8 : kSmemBytes;
-  // Raising the dynamic shared-memory limit is a per-function host setting, not stream work,
-  // so it is safe while XLA captures the stream into a command buffer; do it once per device.
-  static bool configured[64] = {};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    err = cudaFuncSetAttribute(sparse_sink_attention_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) configured[dev] = true;
-  }
-  const int nhb = (p.heads + BM - 1) / BM;
-  const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
-  sparse_sink_attention_kernel<kFp8><<<grid, kThreads, smem_bytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_attention_grid<sparse_sink_attention_kernel<kFp8>>(p, kThreads, kFp8 ? kSmemBytesFp8 : kSmemBytes,
+                                                                   stream);
 }
 
 }  // namespace

@@ -326,22 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 
 template <bool kFp8>
 cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  constexpr int smem_bytes = kFp8 ? kSmemBytesFp8 : kSmemBytes;
-  // A per-function host setting (not stream work): safe under command-buffer capture.
-  static bool configured[64] = {};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    err = cudaFuncSetAttribute(sparse_sink_attention_wgmma_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) configured[dev] = true;
-  }
-  const int nhb = (p.heads + BM - 1) / BM;
-  const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
-  sparse_sink_attention_wgmma_kernel<kFp8><<<grid, kThreads, smem_bytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_attention_grid<sparse_sink_attention_wgmma_kernel<kFp8>>(p, kThreads,
+                                                                         kFp8 ? kSmemBytesFp8 : kSmemBytes, stream);
 }
 
 }  // namespace
