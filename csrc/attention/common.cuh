@@ -52,6 +52,21 @@ __device__ __forceinline__ void inverse_rope_pair(float& x0, float& x1, float2 c
   x1 = y1;
 }
 
+// Online softmax step for a thread's two rows (m16n8 accumulator layout): the output and
+// the running sums scaled by alpha = exp2(old max - new max), plus this tile's sums rs.
+__device__ __forceinline__ void rescale_rows(float (&o)[32][4], float (&l_run)[2], const float (&alpha)[2],
+                                             const float (&rs)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    o[n][0] *= alpha[0];
+    o[n][1] *= alpha[0];
+    o[n][2] *= alpha[1];
+    o[n][3] *= alpha[1];
+  }
+}
+
 // Stores the rows of heads h_first and h_first + 8 of query row `bs` that this thread holds
 // in the m16n8 accumulator layout: o[n][2i], o[n][2i+1] are dims dim_first + 8n (+1) of
 // row i, unnormalised; inv = 1 / row sum, lse = log-sum-exp (natural log, sink excluded).

@@ -426,15 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<uint32_t*>(p_store + j * 16) = pack_bf16x2(sc[j][0], sc[j][1]);
       *reinterpret_cast<uint32_t*>(p_store + 8 * kPStride + j * 16) = pack_bf16x2(sc[j][2], sc[j][3]);
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
+    rescale_rows(o, l_run, alpha, rs);
     named_barrier_sync(bar_id, 64);
 
 #pragma unroll

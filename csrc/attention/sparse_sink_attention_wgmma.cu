@@ -281,15 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
       pa[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
       pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
+    rescale_rows(o, l_run, alpha, rs);
 
     // O[:, 256c .. 256c + 255] += P V: 4 steps of k16 over the tile's keys.
     wgmma_fence();
