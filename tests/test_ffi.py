@@ -1,6 +1,8 @@
 """Kernel library plumbing that needs no GPU: dispatch switch, FFI API-version rule, handler
 metadata, split-K choice and the wrappers' fallbacks."""
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -39,6 +41,29 @@ def test_attention_target_follows_the_env_switch(monkeypatch):
     monkeypatch.setenv(_kernels.ATTENTION_KERNEL_ENV, "cutlass")
     with pytest.raises(ValueError, match="'cutlass'"):
         _kernels.attention_target()
+
+
+def test_attention_kernel_context_sets_the_switch_and_restores_it(monkeypatch):
+    monkeypatch.setenv(_kernels.ATTENTION_KERNEL_ENV, "mma")
+    with _kernels.attention_kernel("wgmma"):
+        assert os.environ[_kernels.ATTENTION_KERNEL_ENV] == "wgmma"
+    assert os.environ[_kernels.ATTENTION_KERNEL_ENV] == "mma"
+    monkeypatch.delenv(_kernels.ATTENTION_KERNEL_ENV)
+    with _kernels.attention_kernel("wgmma"):
+        pass
+    assert _kernels.ATTENTION_KERNEL_ENV not in os.environ
+    with pytest.raises(ValueError, match="'sm80'"):
+        with _kernels.attention_kernel("sm80"):
+            pass
+
+
+def test_attention_bench_row_names_its_kernel_and_leaves_unmeasured_fields_empty():
+    from jax_dspark.bench import attention as bench_attention
+
+    case = bench_attention.CASES[0]
+    row = bench_attention._case_row(case, "bf16", "wgmma", [], 100.0, 1e9, 1e6, "memory", 4.0, 700.0)
+    assert row["kernel"] == "wgmma" and row["xla_us"] == 100.0 and row["name"] == case.name
+    assert row["kernel_us"] is None and row["meets_target"] is False  # no kernel on this machine
 
 
 def test_forcing_an_unavailable_kernel_raises_with_its_name():

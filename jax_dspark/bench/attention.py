@@ -8,7 +8,9 @@ cases put the last 5 rows in the extra pool (the draft block) and the rest in th
 
 Every case runs twice, `kv_dtype` "bf16" (1024-byte rows) and "fp8" (both pools in the
 `ops.kv_fp8.Fp8Rows` form: 448 e4m3 + 64 bf16 + 8 scale bytes = 584 bytes per row, the
-bytes the kernel reads, so `kernel_TBps` counts 584 B per distinct row).
+bytes the kernel reads, so `kernel_TBps` counts 584 B per distinct row), and every
+registered kernel variant gets its own row (`kernel`: "mma.sync", and "wgmma" where the
+opt-in wgmma kernel is in the library), all against the same XLA timing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 from jax_dspark import _ffi, ops
 from jax_dspark.bench import report, timing
-from jax_dspark.ops import kv_fp8
+from jax_dspark.ops import _kernels, kv_fp8
 
 D = 512
 
@@ -47,6 +49,7 @@ TARGET_MEMORY_FRACTION = 0.8
 TARGET_COMPUTE_FRACTION = 0.5
 TARGET_SPEEDUP = 5.0
 KV_DTYPES = ("bf16", "fp8")
+VARIANT_NAMES = {"mma": "mma.sync", "wgmma": "wgmma"}
 ROW_BYTES = {"bf16": D * 2, "fp8": kv_fp8.ROW_BYTES}
 
 
@@ -86,11 +89,36 @@ def _op(mode: str):
     return f
 
 
-def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_sets: int = 4, only: str | None = None) -> dict:
+def _case_row(case, kv_dtype, variant, sets, xla_us, flops, kv_bytes, bound, copy, gemm) -> dict:
+    """One JSON row: kernel `variant` timed on `sets` against the XLA time of the same case."""
+    have = _ffi.kernel_report().get("sparse_sink_attention") == _ffi.REGISTERED
+    with _kernels.attention_kernel(variant):
+        kernel_us = timing.per_call_us(_op("kernel"), sets) if have else float("nan")
+    tbps = kv_bytes / (kernel_us * 1e-6) / 1e12
+    tflops = flops / (kernel_us * 1e-6) / 1e12
+    achieved = tbps / copy if bound == "memory" else tflops / gemm
+    needed = TARGET_MEMORY_FRACTION if bound == "memory" else TARGET_COMPUTE_FRACTION
+    row = dict(
+        name=case.name, kv_dtype=kv_dtype, kernel=VARIANT_NAMES[variant], B=case.B, S=case.S, H=case.H, K=case.K,
+        xla_us=round(xla_us, 2), kernel_us=timing.finite_or_none(round(kernel_us, 2)),
+        kernel_TBps=timing.finite_or_none(round(tbps, 3)), kernel_TFLOPs=timing.finite_or_none(round(tflops, 1)),
+        bound=bound, fraction_of_ceiling=timing.finite_or_none(round(achieved, 3)),
+        speedup_vs_xla=timing.finite_or_none(round(xla_us / kernel_us, 1)),
+    )
+    row["meets_target"] = bool(achieved >= needed and xla_us / kernel_us >= TARGET_SPEEDUP)
+    return row
+
+
+def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_sets: int = 4, only: str | None = None,
+        kernels: tuple[str, ...] = ("mma", "wgmma")) -> dict:
+    """Time every case with the XLA reference and each registered kernel in `kernels`
+    ("mma": the mma.sync kernel; "wgmma": the opt-in wgmma kernel) in one process."""
     copy = timing.copy_bandwidth_TBps()
     gemm = timing.gemm_bf16_TFLOPs()
     ridge = gemm / copy  # FLOP per byte where the two ceilings meet
-    have_kernel = _ffi.kernel_report().get("sparse_sink_attention") == _ffi.REGISTERED
+    report_now = _ffi.kernel_report()
+    variants = [v for v, name in (("mma", "sparse_sink_attention"), ("wgmma", "sparse_sink_attention_wgmma"))
+                if v in kernels and report_now.get(name) == _ffi.REGISTERED] or ["mma"]
     cases = []
     for case, kv_dtype in [(c, k) for k in KV_DTYPES for c in CASES]:
         if only and only.lower() not in f"{case.name} {kv_dtype}".lower():
@@ -99,22 +127,11 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         flops = 4.0 * case.B * case.S * case.H * case.K * D
         kv_bytes = float(case.B * case.K * ROW_BYTES[kv_dtype])
         xla_us = timing.per_call_us(_op("reference"), sets[:xla_sets])
-        kernel_us = timing.per_call_us(_op("kernel"), sets[:kernel_sets]) if have_kernel else float("nan")
         bound = "memory" if flops / kv_bytes < ridge else "compute"
-        tbps = kv_bytes / (kernel_us * 1e-6) / 1e12
-        tflops = flops / (kernel_us * 1e-6) / 1e12
-        achieved = tbps / copy if bound == "memory" else tflops / gemm
-        needed = TARGET_MEMORY_FRACTION if bound == "memory" else TARGET_COMPUTE_FRACTION
-        row = dict(
-            name=case.name, kv_dtype=kv_dtype, B=case.B, S=case.S, H=case.H, K=case.K,
-            xla_us=round(xla_us, 2), kernel_us=timing.finite_or_none(round(kernel_us, 2)),
-            kernel_TBps=timing.finite_or_none(round(tbps, 3)), kernel_TFLOPs=timing.finite_or_none(round(tflops, 1)),
-            bound=bound, fraction_of_ceiling=timing.finite_or_none(round(achieved, 3)),
-            speedup_vs_xla=timing.finite_or_none(round(xla_us / kernel_us, 1)),
-        )
-        row["meets_target"] = bool(achieved >= needed and xla_us / kernel_us >= TARGET_SPEEDUP)
-        cases.append(row)
-        print(row, flush=True)
+        for variant in variants:
+            row = _case_row(case, kv_dtype, variant, sets[:kernel_sets], xla_us, flops, kv_bytes, bound, copy, gemm)
+            cases.append(row)
+            print(row, flush=True)
     result = dict(
         gpu=timing.gpu_name(), commit=report.commit_id(commit), date=report.today(),
         copy_TBps=round(copy, 3), gemm_bf16_TFLOPs=round(gemm, 1),
@@ -127,7 +144,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         cases=cases,
     )
     columns = [
-        ("case", "name"), ("KV", "kv_dtype"), ("B", "B"), ("S", "S"), ("H", "H"), ("K", "K"), ("XLA µs", "xla_us"),
+        ("case", "name"), ("KV", "kv_dtype"), ("kernel", "kernel"), ("B", "B"), ("S", "S"), ("H", "H"), ("K", "K"), ("XLA µs", "xla_us"),
         ("kernel µs", "kernel_us"), ("KV TB/s", "kernel_TBps"), ("TFLOP/s", "kernel_TFLOPs"), ("bound", "bound"),
         ("of ceiling", "fraction_of_ceiling"), ("speedup", "speedup_vs_xla"), ("meets target", "meets_target"),
     ]

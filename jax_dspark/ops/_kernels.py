@@ -12,6 +12,7 @@ which dummies stand in for absent optional inputs, and each op's `vmap_method`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -150,6 +151,23 @@ def sparse_sink_attention(
 
 
 ATTENTION_KERNEL_ENV = "JAX_DSPARK_ATTENTION_KERNEL"
+
+
+@contextlib.contextmanager
+def attention_kernel(name: str):
+    """Within the block, traced attention calls use kernel `name` ("mma" or "wgmma"), as
+    `JAX_DSPARK_ATTENTION_KERNEL` would select it; the previous setting comes back after."""
+    if name not in ("mma", "wgmma"):
+        raise ValueError(f"name: must be 'mma' or 'wgmma' (got {name!r})")
+    before = os.environ.get(ATTENTION_KERNEL_ENV)
+    os.environ[ATTENTION_KERNEL_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ATTENTION_KERNEL_ENV, None)
+        else:
+            os.environ[ATTENTION_KERNEL_ENV] = before
 
 
 def attention_target() -> str:
