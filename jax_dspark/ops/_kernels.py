@@ -175,7 +175,9 @@ def attention_target() -> str:
 
     `JAX_DSPARK_ATTENTION_KERNEL` = "mma" (default: the mma.sync kernel) or "wgmma" (the
     wgmma kernel, opt-in until validated on a GPU, docs/kernels.md). Asking for the wgmma
-    kernel where it is not registered raises with the reason.
+    kernel where it is not registered raises with the reason. Being read when a call is
+    traced, the setting is baked into jit's cached traces: set it before the first call (or
+    trace new functions after changing it, as the benchmark does).
     """
     choice = os.environ.get(ATTENTION_KERNEL_ENV, "mma")
     if choice not in ("mma", "wgmma"):
