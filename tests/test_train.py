@@ -176,6 +176,12 @@ def test_shipped_drafters_fit_16_mib_and_load_with_block_7(name):
     assert path.stat().st_size < 16 * 2**20
     meta = load_drafter_meta(name)
     assert meta["command"].startswith("jax-dspark train ") and f"--out jax_dspark/drafters/{name}" in meta["command"]
+    # Continued drafters name the runs before them, oldest first, each writing the same path.
+    if "--init" in meta["command"]:
+        assert meta["lineage"] and "--init" not in meta["lineage"][0]["command"]
+        for run in meta["lineage"]:
+            assert run["command"].startswith("jax-dspark train ") and f"--out jax_dspark/drafters/{name}" in run["command"]
+            assert run["training"]["steps"] > 0
     drafter = load_drafter(name)
     assert drafter.block_size == 7
     assert (drafter.markov is None) == (name == "smollm2_markov_off")
