@@ -14,6 +14,9 @@
 
 namespace jds {
 
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 // One CTA: heads h0 .. h0 + 63 of query row bs = (b, s), rows [key_begin, key_end) of the
 // concatenated [main | extra] list (split `split` of num_splits), in ntiles tiles of BK.
 struct AttnWorkItem {

@@ -65,8 +65,6 @@ static_assert(kSmemBytesFp8 <= 227 * 1024, "shared memory budget of one H100/H20
 static_assert(kAttnNopeDim % 16 == 0 && kAttnNopeDim % kAttnScaleBlock == 0 && kAttnScaleBlock % 16 == 0,
               "FP8 nope bytes are expanded in 16-byte chunks within one scale block");
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Index values of rows j0 + lane and j0 + 32 + lane of the concatenated [main | extra] list
 // (any value; validity is decided when the tile is issued). Loaded one tile ahead so the
@@ -140,11 +138,6 @@ __device__ __forceinline__ void produce_tile(const SparseSinkAttentionParams& p,
   if (ok[1]) bulk_copy_g2s(stage_base + (lane + 32) * kRowStride, src[1], kRowBytes, &bar_full[stage]);
 }
 
-// Orders this thread's earlier generic-proxy shared-memory writes before later bulk copies
-// (async proxy) into the same bytes.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 // produce_tile for the FP8 instantiation: rows of an FP8 pool bring 448 e4m3 bytes (landing
 // at byte 448 of the slot, expanded in place by dequantize_tile) and 128 bytes of bf16 RoPE

@@ -66,8 +66,6 @@ static_assert(BM == 64 && BK == 64, "one row per 4 threads, 64 rows per tile and
 static_assert(kThreads == 4 * BK, "the gather maps thread -> (row, chunk phase)");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ uint32_t chunk_offset(int row, int chunk) {
   return chunk * kChunkColumn + (row >> 3) * 128 + (row & 7) * 16;
@@ -221,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
       cp_async_commit();   // possibly empty: one group per iteration keeps the count uniform
       cp_async_wait<1>();  // this thread's copies of tile t (and of Q) have landed
     }
-    fence_proxy_async_shared();  // its plain and cp.async stores, before wgmma reads them
+    fence_proxy_async_smem();  // its plain and cp.async stores, before wgmma reads them
     __syncthreads();
 
     const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);

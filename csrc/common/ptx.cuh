@@ -4,8 +4,9 @@
 
 #include <cstdint>
 #include <cuda_bf16.h>
-
-#include <cstdio>
+#ifdef JDS_MBAR_TIMEOUT_CYCLES
+#include <cstdio>  // printf of the diagnostic mbar_wait
+#endif
 
 namespace jds {
 
@@ -75,6 +76,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 #endif
+
+// Orders this thread's earlier generic-proxy shared-memory writes (plain stores, cp.async)
+// before later async-proxy accesses of the same bytes (bulk copies, wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 
 // ---- bulk copy global -> shared, completing on an mbarrier (Hopper copy engine) -------
 // `bytes` must be a multiple of 16 and both addresses 16-byte aligned.

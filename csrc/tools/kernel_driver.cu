@@ -32,7 +32,6 @@ using bf16 = __nv_bfloat16;
 
 // The attention launcher under test (mma.sync by default, `--wgmma` for the wgmma kernel).
 static cudaError_t (*run_attn)(const jds::SparseSinkAttentionParams&, cudaStream_t) = jds::run_sparse_sink_attention;
-static bool use_wgmma = false;
 
 template <class T>
 T* upload(const std::vector<T>& h) {
@@ -416,13 +415,12 @@ int main(int argc, char** argv) {
   int nargs = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--wgmma") == 0) {
-      use_wgmma = true;
       run_attn = jds::run_sparse_sink_attention_wgmma;
     } else if (nargs < 3) {
       args[nargs++] = argv[i];
     }
   }
-  std::printf("attention kernel: %s\n", use_wgmma ? "wgmma" : "mma.sync");
+  std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention ? "mma.sync" : "wgmma");
   if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
   return memcheck(sms);
 }
