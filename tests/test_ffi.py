@@ -61,7 +61,7 @@ def test_attention_bench_row_names_its_kernel_and_leaves_unmeasured_fields_empty
     from jax_dspark.bench import attention as bench_attention
 
     case = bench_attention.CASES[0]
-    row = bench_attention._case_row(case, "bf16", "wgmma", [], 100.0, 1e9, 1e6, "memory", 4.0, 700.0)
+    row = bench_attention._case_row(case, "bf16", "wgmma", float("nan"), 100.0, 1e9, 1e6, "memory", 4.0, 700.0)
     assert row["kernel"] == "wgmma" and row["xla_us"] == 100.0 and row["name"] == case.name
     assert row["kernel_us"] is None and row["meets_target"] is False  # no kernel on this machine
 

@@ -89,11 +89,9 @@ def _op(mode: str):
     return f
 
 
-def _case_row(case, kv_dtype, variant, sets, xla_us, flops, kv_bytes, bound, copy, gemm) -> dict:
-    """One JSON row: kernel `variant` timed on `sets` against the XLA time of the same case."""
-    have = _ffi.kernel_report().get("sparse_sink_attention") == _ffi.REGISTERED
-    with _kernels.attention_kernel(variant):
-        kernel_us = timing.per_call_us(_op("kernel"), sets) if have else float("nan")
+def _case_row(case, kv_dtype, variant, kernel_us, xla_us, flops, kv_bytes, bound, copy, gemm) -> dict:
+    """One JSON row: kernel `variant`'s time against the XLA time of the same case (NaN
+    kernel time: not measured here, fields left empty)."""
     tbps = kv_bytes / (kernel_us * 1e-6) / 1e12
     tflops = flops / (kernel_us * 1e-6) / 1e12
     achieved = tbps / copy if bound == "memory" else tflops / gemm
@@ -110,15 +108,18 @@ def _case_row(case, kv_dtype, variant, sets, xla_us, flops, kv_bytes, bound, cop
 
 
 def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_sets: int = 4, only: str | None = None,
-        kernels: tuple[str, ...] = ("mma", "wgmma")) -> dict:
+        kernels: tuple[str, ...] = tuple(_kernels.ATTENTION_KERNELS)) -> dict:
     """Time every case with the XLA reference and each registered kernel in `kernels`
     ("mma": the mma.sync kernel; "wgmma": the opt-in wgmma kernel) in one process."""
     copy = timing.copy_bandwidth_TBps()
     gemm = timing.gemm_bf16_TFLOPs()
     ridge = gemm / copy  # FLOP per byte where the two ceilings meet
-    report_now = _ffi.kernel_report()
-    variants = [v for v, name in (("mma", "sparse_sink_attention"), ("wgmma", "sparse_sink_attention_wgmma"))
-                if v in kernels and report_now.get(name) == _ffi.REGISTERED] or ["mma"]
+    registered = _ffi.kernel_report()
+    variants = [v for v in kernels if registered.get(_kernels.ATTENTION_KERNELS[v][0]) == _ffi.REGISTERED]
+
+    def kernel_us(variant, sets):
+        with _kernels.attention_kernel(variant):
+            return timing.per_call_us(_op("kernel"), sets)
     cases = []
     for case, kv_dtype in [(c, k) for k in KV_DTYPES for c in CASES]:
         if only and only.lower() not in f"{case.name} {kv_dtype}".lower():
@@ -128,8 +129,9 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         kv_bytes = float(case.B * case.K * ROW_BYTES[kv_dtype])
         xla_us = timing.per_call_us(_op("reference"), sets[:xla_sets])
         bound = "memory" if flops / kv_bytes < ridge else "compute"
-        for variant in variants:
-            row = _case_row(case, kv_dtype, variant, sets[:kernel_sets], xla_us, flops, kv_bytes, bound, copy, gemm)
+        timed = [(v, kernel_us(v, sets[:kernel_sets])) for v in variants] or [("mma", float("nan"))]
+        for variant, us in timed:
+            row = _case_row(case, kv_dtype, variant, us, xla_us, flops, kv_bytes, bound, copy, gemm)
             cases.append(row)
             print(row, flush=True)
     result = dict(

@@ -151,14 +151,24 @@ def sparse_sink_attention(
 
 
 ATTENTION_KERNEL_ENV = "JAX_DSPARK_ATTENTION_KERNEL"
+# Attention kernel variants: switch value -> (name in `_ffi.KERNELS`, FFI target).
+ATTENTION_KERNELS = {
+    "mma": ("sparse_sink_attention", "jax_dspark_sparse_sink_attention"),
+    "wgmma": ("sparse_sink_attention_wgmma", "jax_dspark_sparse_sink_attention_wgmma"),
+}
+
+
+def _attention_variant(name: str, what: str) -> str:
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"{what}: must be one of {sorted(ATTENTION_KERNELS)} (got {name!r})")
+    return name
 
 
 @contextlib.contextmanager
 def attention_kernel(name: str):
     """Within the block, traced attention calls use kernel `name` ("mma" or "wgmma"), as
     `JAX_DSPARK_ATTENTION_KERNEL` would select it; the previous setting comes back after."""
-    if name not in ("mma", "wgmma"):
-        raise ValueError(f"name: must be 'mma' or 'wgmma' (got {name!r})")
+    _attention_variant(name, "name")
     before = os.environ.get(ATTENTION_KERNEL_ENV)
     os.environ[ATTENTION_KERNEL_ENV] = name
     try:
@@ -179,15 +189,13 @@ def attention_target() -> str:
     traced, the setting is baked into jit's cached traces: set it before the first call (or
     trace new functions after changing it, as the benchmark does).
     """
-    choice = os.environ.get(ATTENTION_KERNEL_ENV, "mma")
-    if choice not in ("mma", "wgmma"):
-        raise ValueError(f"{ATTENTION_KERNEL_ENV}: must be 'mma' or 'wgmma' (got {choice!r})")
-    if choice == "mma":
-        return "jax_dspark_sparse_sink_attention"
-    reason = _ffi.kernel_report().get("sparse_sink_attention_wgmma", "unknown kernel")
-    if reason != _ffi.REGISTERED:
-        raise RuntimeError(f"{ATTENTION_KERNEL_ENV}=wgmma but the wgmma kernel is not available: {reason}")
-    return "jax_dspark_sparse_sink_attention_wgmma"
+    choice = _attention_variant(os.environ.get(ATTENTION_KERNEL_ENV, "mma"), ATTENTION_KERNEL_ENV)
+    name, target = ATTENTION_KERNELS[choice]
+    if choice != "mma":  # the default's availability is the op's own dispatch decision
+        reason = _ffi.kernel_report().get(name, "unknown kernel")
+        if reason != _ffi.REGISTERED:
+            raise RuntimeError(f"{ATTENTION_KERNEL_ENV}={choice} but the {choice} kernel is not available: {reason}")
+    return target
 
 
 def _pool_operands(rows):

@@ -347,8 +347,8 @@ class SpeculativeEngine:
 
     def _prefill_call(self, state, chunk, starts, counts, lens, final):
         return _jit_prefill(self._t_params, self._d_params, state, jnp.asarray(chunk),
-                  jnp.asarray(starts), jnp.asarray(counts), jnp.asarray(lens, jnp.int32),
-                  final=final, max_new_tokens=self.max_new_tokens, **self._static)
+                            jnp.asarray(starts), jnp.asarray(counts), jnp.asarray(lens, jnp.int32),
+                            final=final, max_new_tokens=self.max_new_tokens, **self._static)
 
     def _round_kwargs(self):
         return dict(self._static, max_new_tokens=self.max_new_tokens)
