@@ -76,6 +76,9 @@ def test_train_command_records_more_data_and_the_lineage_of_init(tmp_path):
                                      training={k: v for k, v in meta["training"].items() if k != "history"})]
     assert f"--init {out}" in later["command"]
 
+    with pytest.raises(ValueError, match="missing.npz"):
+        main(["train", "--target", "tiny", "--more-data", str(tmp_path / "missing.npz"), "--out", str(out)])
+
 
 def test_learning_rate_warms_up_then_decays_to_zero():
     cfg = TrainConfig(steps=100, learning_rate=1e-3, warmup_steps=10)

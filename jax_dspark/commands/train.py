@@ -193,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
     inits = args.init or [None] * len(args.markov_rank)
     if len(inits) != len(args.markov_rank):
         raise ValueError(f"--init: need one drafter per --markov-rank {args.markov_rank} (got {args.init})")
+    missing = [p for p in args.more_data if not os.path.isfile(p)]
+    if missing:  # before minutes of target loading and answer generation
+        raise ValueError(f"--more-data: no such file(s) {missing}")
     t0 = time.perf_counter()
     target, encode, eos_ids, description = _target(args.target)
     _log(f"target {description} loaded in {time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}")
