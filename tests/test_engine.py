@@ -98,21 +98,35 @@ def test_a_stop_token_ends_its_request_and_the_rest_are_unchanged(greedy_errors)
         generate(target, drafter, PROMPTS, max_new_tokens=2, stop_ids=[target.config.vocab_size])
 
 
-def test_compiled_engine_finds_its_programs_in_jits_cache_in_the_first_round():
-    """`compile` must fill jit's own dispatch cache: an ahead-of-time executable
-    (`lower().compile()`) does not serve later calls, so the first timed round compiled
-    again (1-2 s on the SmolLM2 pair, counted by generate as decode time)."""
+def _avals(state):
+    return jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "weak_type", False)), state)
+
+
+@pytest.mark.parametrize("stop_ids", [(), (3, 9)])
+def test_compiled_engine_serves_every_round_from_jits_cache(stop_ids):
+    """`compile` must fill jit's own dispatch cache for all rounds that follow: an
+    ahead-of-time executable (`lower().compile()`) does not serve later calls, and a state
+    whose types drift between prefill and round (a weak-typed `num_out` from prefill with
+    stop ids, strong after a round) made the second round compile again; both were counted
+    by generate as decode time (1-2 s on the SmolLM2 pair, 5x its real round time)."""
     from jax_dspark.spec import engine as engine_mod
 
     target = tiny_llama(0)
     # A max_new_tokens no other test uses, so this engine's programs are new to the process.
-    engine = SpeculativeEngine(target, tiny_dspark(target.config, seed=1), max_new_tokens=13)
+    engine = SpeculativeEngine(target, tiny_dspark(target.config, seed=1), max_new_tokens=13 + len(stop_ids),
+                               stop_ids=stop_ids)
     prompts = np.zeros((2, 8), np.int32) + 7
     lens = np.array([8, 5], np.int32)
     before = engine_mod._jit_round._cache_size(), engine_mod._jit_prefill._cache_size()
     engine.compile(engine.init_state(2, 8), prompts, lens)
     compiled = engine_mod._jit_round._cache_size(), engine_mod._jit_prefill._cache_size()
     assert compiled == (before[0] + 1, before[1] + 1)
-    state = engine.step(engine.prefill(engine.init_state(2, 8), prompts, lens))
+    fresh = engine.init_state(2, 8)
+    types = _avals(fresh)
+    state = engine.prefill(fresh, prompts, lens)
+    assert _avals(state) == types
+    for _ in range(3):
+        state = engine.step(state)
+        assert _avals(state) == types
     jax.block_until_ready(state.anchor)
     assert (engine_mod._jit_round._cache_size(), engine_mod._jit_prefill._cache_size()) == compiled

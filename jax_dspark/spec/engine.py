@@ -238,8 +238,10 @@ def prefill(
         state, drafter_state=state_d, drafts=drafts, draft_probs=probs, confidence=conf,
         verify_lens=jnp.full((b,), drafts.shape[1], jnp.int32),
         out_tokens=state.out_tokens.at[:, 0].set(anchor),
-        num_out=jnp.where(jnp.isin(anchor, jnp.asarray(stop_ids, jnp.int32)), max(max_new_tokens, 1), 1)
-        if stop_ids else jnp.ones((b,), jnp.int32),
+        # int32 operands: Python ints would make num_out weak-typed, and the round (which
+        # returns it strong) would then compile a second program at its second call.
+        num_out=jnp.where(jnp.isin(anchor, jnp.asarray(stop_ids, jnp.int32)), jnp.int32(max(max_new_tokens, 1)),
+                          jnp.int32(1)) if stop_ids else jnp.ones((b,), jnp.int32),
     )
 
 
