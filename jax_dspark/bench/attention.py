@@ -9,8 +9,9 @@ cases put the last 5 rows in the extra pool (the draft block) and the rest in th
 Every case runs twice, `kv_dtype` "bf16" (1024-byte rows) and "fp8" (both pools in the
 `ops.kv_fp8.Fp8Rows` form: 448 e4m3 + 64 bf16 + 8 scale bytes = 584 bytes per row, the
 bytes the kernel reads, so `kernel_TBps` counts 584 B per distinct row), and every
-registered kernel variant gets its own row (`kernel`: "mma.sync", and "wgmma" where the
-opt-in wgmma kernel is in the library), all against the same XLA timing.
+registered kernel variant gets its own row (`kernel`: "mma.sync" and "wgmma"), all against the
+same XLA timing; `default` marks the row of the kernel that calls get by default
+(`ops._kernels.AUTO_ATTENTION_KERNEL`: mma.sync for bf16 pools, wgmma for FP8 pools).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def _case_row(case, kv_dtype, variant, kernel_us, xla_us, flops, kv_bytes, bound
         kernel_TBps=timing.finite_or_none(round(tbps, 3)), kernel_TFLOPs=timing.finite_or_none(round(tflops, 1)),
         bound=bound, fraction_of_ceiling=timing.finite_or_none(round(achieved, 3)),
         speedup_vs_xla=timing.finite_or_none(round(xla_us / kernel_us, 1)),
+        default=variant == _kernels.AUTO_ATTENTION_KERNEL[kv_dtype == "fp8"],
     )
     row["meets_target"] = bool(achieved >= needed and xla_us / kernel_us >= TARGET_SPEEDUP)
     return row
@@ -110,7 +112,7 @@ def _case_row(case, kv_dtype, variant, kernel_us, xla_us, flops, kv_bytes, bound
 def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_sets: int = 4, only: str | None = None,
         kernels: tuple[str, ...] = tuple(_kernels.ATTENTION_KERNELS)) -> dict:
     """Time every case with the XLA reference and each registered kernel in `kernels`
-    ("mma": the mma.sync kernel; "wgmma": the opt-in wgmma kernel) in one process."""
+    ("mma": the mma.sync kernel; "wgmma": the wgmma kernel) in one process."""
     copy = timing.copy_bandwidth_TBps()
     gemm = timing.gemm_bf16_TFLOPs()
     ridge = gemm / copy  # FLOP per byte where the two ceilings meet
@@ -145,8 +147,16 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         ),
         cases=cases,
     )
+    print(write(result, json_path))
+    return result
+
+
+def write(result: dict, json_path: str, extra_notes: tuple[str, ...] = ()) -> str:
+    """`result` (what `run` measured) as JSON at `json_path` and a markdown table beside it,
+    with `extra_notes` under the standard ones; returns the markdown."""
     columns = [
-        ("case", "name"), ("KV", "kv_dtype"), ("kernel", "kernel"), ("B", "B"), ("S", "S"), ("H", "H"), ("K", "K"), ("XLA µs", "xla_us"),
+        ("case", "name"), ("KV", "kv_dtype"), ("kernel", "kernel"), ("default", "default"), ("B", "B"), ("S", "S"),
+        ("H", "H"), ("K", "K"), ("XLA µs", "xla_us"),
         ("kernel µs", "kernel_us"), ("KV TB/s", "kernel_TBps"), ("TFLOP/s", "kernel_TFLOPs"), ("bound", "bound"),
         ("of ceiling", "fraction_of_ceiling"), ("speedup", "speedup_vs_xla"), ("meets target", "meets_target"),
     ]
@@ -158,7 +168,9 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         "scale bytes) / kernel time; TFLOP/s = 4 B S H K 512 / kernel time.",
         f"Targets: memory-bound cases >= {TARGET_MEMORY_FRACTION:.0%} of the copy bandwidth, compute-bound "
         f">= {TARGET_COMPUTE_FRACTION:.0%} of the GEMM rate, every case >= {TARGET_SPEEDUP:g}x the XLA reference; "
-        f"a case is memory-bound when its FLOP/byte is under the measured ridge ({ridge:.0f}).",
+        f"a case is memory-bound when its FLOP/byte is under the measured ridge ({result['targets']['ridge_flop_per_byte']:.0f}).",
+        "default: the kernel `ops.sparse_sink_attention` calls for this pool kind unless told otherwise "
+        "(`JAX_DSPARK_ATTENTION_KERNEL`; `ops._kernels.AUTO_ATTENTION_KERNEL`).",
+        *extra_notes,
     ]
-    print(report.write(result, json_path, columns, "Sparse sink attention: XLA reference vs CUDA kernel", notes))
-    return result
+    return report.write(result, json_path, columns, "Sparse sink attention: XLA reference vs CUDA kernel", notes)

@@ -127,7 +127,7 @@ def sparse_sink_attention(
         jax.ShapeDtypeStruct((b, s, h), jnp.float32),
         jax.ShapeDtypeStruct((max(1, attention_workspace_floats(b, s, h, splits)),), jnp.float32),
     )
-    call = jax.ffi.ffi_call(attention_target(), out_types, vmap_method="sequential")
+    call = jax.ffi.ffi_call(attention_target(main_fp8 or extra_fp8), out_types, vmap_method="sequential")
     out, lse, _ = call(
         q,
         main_rows,
@@ -156,18 +156,23 @@ ATTENTION_KERNELS = {
     "mma": ("sparse_sink_attention", "jax_dspark_sparse_sink_attention"),
     "wgmma": ("sparse_sink_attention_wgmma", "jax_dspark_sparse_sink_attention_wgmma"),
 }
+# What "auto" (the default) picks, by whether a pool holds FP8 rows: the faster kernel of
+# each kind on the H200 (docs/benchmarks/attention.md, both kernels timed in one run: with
+# bf16 pools mma.sync is 1.05-1.3x faster, with FP8 pools wgmma is 1.2-1.65x faster).
+AUTO_ATTENTION_KERNEL = {False: "mma", True: "wgmma"}
 
 
 def _attention_variant(name: str, what: str) -> str:
-    if name not in ATTENTION_KERNELS:
-        raise ValueError(f"{what}: must be one of {sorted(ATTENTION_KERNELS)} (got {name!r})")
+    if name != "auto" and name not in ATTENTION_KERNELS:
+        raise ValueError(f"{what}: must be 'auto' or one of {sorted(ATTENTION_KERNELS)} (got {name!r})")
     return name
 
 
 @contextlib.contextmanager
 def attention_kernel(name: str):
-    """Within the block, traced attention calls use kernel `name` ("mma" or "wgmma"), as
-    `JAX_DSPARK_ATTENTION_KERNEL` would select it; the previous setting comes back after."""
+    """Within the block, traced attention calls use kernel `name` ("auto", "mma" or
+    "wgmma"), as `JAX_DSPARK_ATTENTION_KERNEL` would select it; the previous setting comes
+    back after."""
     _attention_variant(name, "name")
     before = os.environ.get(ATTENTION_KERNEL_ENV)
     os.environ[ATTENTION_KERNEL_ENV] = name
@@ -180,16 +185,24 @@ def attention_kernel(name: str):
             os.environ[ATTENTION_KERNEL_ENV] = before
 
 
-def attention_target() -> str:
-    """FFI target for attention calls (read at trace time).
+def attention_target(fp8: bool = False) -> str:
+    """FFI target for an attention call whose pools hold FP8 rows (`fp8`) or not (read at
+    trace time).
 
-    `JAX_DSPARK_ATTENTION_KERNEL` = "mma" (default: the mma.sync kernel) or "wgmma" (the
-    wgmma kernel, opt-in until validated on a GPU, docs/kernels.md). Asking for the wgmma
-    kernel where it is not registered raises with the reason. Being read when a call is
-    traced, the setting is baked into jit's cached traces: set it before the first call (or
-    trace new functions after changing it, as the benchmark does).
+    `JAX_DSPARK_ATTENTION_KERNEL` = "auto" (default: `AUTO_ATTENTION_KERNEL`, mma.sync for
+    bf16 pools, wgmma when a pool is FP8, falling back to mma.sync where the wgmma kernel is
+    not registered), "mma" or "wgmma" (that kernel for every call; asking for one that is
+    not registered raises with the reason). Both kernels compute the same contract and are
+    tested against the same reference. Being read when a call is traced, the setting is
+    baked into jit's cached traces: set it before the first call (or trace new functions
+    after changing it, as the benchmark does).
     """
-    choice = _attention_variant(os.environ.get(ATTENTION_KERNEL_ENV, "mma"), ATTENTION_KERNEL_ENV)
+    choice = _attention_variant(os.environ.get(ATTENTION_KERNEL_ENV, "auto"), ATTENTION_KERNEL_ENV)
+    if choice == "auto":
+        name, target = ATTENTION_KERNELS[AUTO_ATTENTION_KERNEL[bool(fp8)]]
+        if _ffi.kernel_report().get(name) != _ffi.REGISTERED:
+            name, target = ATTENTION_KERNELS["mma"]  # availability: the op's own dispatch decision
+        return target
     name, target = ATTENTION_KERNELS[choice]
     if choice != "mma":  # the default's availability is the op's own dispatch decision
         reason = _ffi.kernel_report().get(name, "unknown kernel")

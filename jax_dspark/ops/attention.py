@@ -123,14 +123,22 @@ def sparse_sink_attention(
 
 
 def _fp8_kernel_enabled() -> bool:
-    """FP8 pools reach the kernel only under `ops.force("kernel")` or JAX_DSPARK_FP8_ATTENTION=1.
+    """Whether FP8 pools go to a kernel in "auto" dispatch: when the kernel they would get is
+    the wgmma one (the default for FP8 pools, `_kernels.AUTO_ATTENTION_KERNEL`), or under
+    `ops.force("kernel")` or JAX_DSPARK_FP8_ATTENTION=1.
 
-    Why opt-in: in two of three H200 runs (2026-12-03) a test process stalled for minutes in
-    an FP8-pool attention test that passes in seconds otherwise, and it is not yet known
-    whether the FP8 kernel instantiation can wait forever. Until that is settled, "auto"
-    keeps FP8 pools on the reference (docs/kernels.md, "FP8 rows").
+    Why the mma.sync kernel's FP8 instantiation stays opt-in: in two of five H200 runs
+    (2026-12-03) a test process stalled for minutes in one of its FP8 tests, which pass in
+    seconds otherwise (and passed in the later three runs); the cause is not settled and
+    that kernel waits on mbarriers. The wgmma kernel has no mbarriers (cp.async groups and
+    `__syncthreads` only), passed every FP8 test, and is 1.2-1.65x faster on FP8 pools
+    (docs/kernels.md, "FP8 rows").
     """
-    return _ffi.force_mode() == "kernel" or os.environ.get("JAX_DSPARK_FP8_ATTENTION") == "1"
+    from jax_dspark.ops import _kernels
+
+    if _ffi.force_mode() == "kernel" or os.environ.get("JAX_DSPARK_FP8_ATTENTION") == "1":
+        return True
+    return _kernels.attention_target(fp8=True) == _kernels.ATTENTION_KERNELS["wgmma"][1]
 
 
 def _pool_scores(q32: jax.Array, rows: jax.Array, idx: jax.Array, scale: float):
