@@ -9,8 +9,8 @@
 // their own operands; for a bf16 pool those two operands are unused (pass empty arrays).
 //
 // Two targets share this handler: jax_dspark_sparse_sink_attention (the mma.sync kernel)
-// and jax_dspark_sparse_sink_attention_wgmma (the wgmma kernel; opt-in from Python while it
-// awaits validation on a GPU, docs/kernels.md). Both take bf16 or FP8 pools.
+// and jax_dspark_sparse_sink_attention_wgmma (the wgmma kernel). Both take bf16 or FP8
+// pools; Python picks the target per call (ops/_kernels.attention_target, docs/kernels.md).
 #include <cstdint>
 #include <string>
 
