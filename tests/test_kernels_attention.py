@@ -12,8 +12,6 @@ to the bit; the slack only allows for the compiler scheduling the two instantiat
 ops differently.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,8 +262,7 @@ def dequantised(args):
 def check_fp8(args, **kw):
     """Reference tolerance, and (near-)identical to the kernel over the dequantised bf16 rows."""
     out, lse = check(args, **kw)
-    variant = os.environ.get(_kernels.ATTENTION_KERNEL_ENV, "auto")
-    with _kernels.attention_kernel(_kernels.AUTO_ATTENTION_KERNEL[True] if variant == "auto" else variant):
+    with _kernels.attention_kernel(_kernels.attention_variant(fp8=True)):
         out_bf16, lse_bf16 = run_kernel(dequantised(args), **kw)
     assert rel_err(out, out_bf16) < 1e-5
     lse, lse_bf16 = np.asarray(lse), np.asarray(lse_bf16)

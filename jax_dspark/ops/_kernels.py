@@ -185,9 +185,9 @@ def attention_kernel(name: str):
             os.environ[ATTENTION_KERNEL_ENV] = before
 
 
-def attention_target(fp8: bool = False) -> str:
-    """FFI target for an attention call whose pools hold FP8 rows (`fp8`) or not (read at
-    trace time).
+def attention_variant(fp8: bool = False) -> str:
+    """Kernel variant ("mma" or "wgmma") for an attention call whose pools hold FP8 rows
+    (`fp8`) or not (read at trace time).
 
     `JAX_DSPARK_ATTENTION_KERNEL` = "auto" (default: `AUTO_ATTENTION_KERNEL`, mma.sync for
     bf16 pools, wgmma when a pool is FP8, falling back to mma.sync where the wgmma kernel is
@@ -198,17 +198,22 @@ def attention_target(fp8: bool = False) -> str:
     after changing it, as the benchmark does).
     """
     choice = _attention_variant(os.environ.get(ATTENTION_KERNEL_ENV, "auto"), ATTENTION_KERNEL_ENV)
-    if choice == "auto":
-        name, target = ATTENTION_KERNELS[AUTO_ATTENTION_KERNEL[bool(fp8)]]
-        if _ffi.kernel_report().get(name) != _ffi.REGISTERED:
-            name, target = ATTENTION_KERNELS["mma"]  # availability: the op's own dispatch decision
-        return target
-    name, target = ATTENTION_KERNELS[choice]
-    if choice != "mma":  # the default's availability is the op's own dispatch decision
-        reason = _ffi.kernel_report().get(name, "unknown kernel")
-        if reason != _ffi.REGISTERED:
-            raise RuntimeError(f"{ATTENTION_KERNEL_ENV}={choice} but the {choice} kernel is not available: {reason}")
-    return target
+    if choice == "mma":  # its availability is the op's own dispatch decision
+        return choice
+    auto = choice == "auto"
+    if auto:
+        choice = AUTO_ATTENTION_KERNEL[bool(fp8)]
+    reason = _ffi.kernel_report().get(ATTENTION_KERNELS[choice][0], "unknown kernel")
+    if reason == _ffi.REGISTERED:
+        return choice
+    if auto:
+        return "mma"
+    raise RuntimeError(f"{ATTENTION_KERNEL_ENV}={choice} but the {choice} kernel is not available: {reason}")
+
+
+def attention_target(fp8: bool = False) -> str:
+    """FFI target of `attention_variant(fp8)`."""
+    return ATTENTION_KERNELS[attention_variant(fp8)][1]
 
 
 def _pool_operands(rows):

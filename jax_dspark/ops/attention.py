@@ -138,7 +138,7 @@ def _fp8_kernel_enabled() -> bool:
 
     if _ffi.force_mode() == "kernel" or os.environ.get("JAX_DSPARK_FP8_ATTENTION") == "1":
         return True
-    return _kernels.attention_target(fp8=True) == _kernels.ATTENTION_KERNELS["wgmma"][1]
+    return _kernels.attention_variant(fp8=True) == "wgmma"
 
 
 def _pool_scores(q32: jax.Array, rows: jax.Array, idx: jax.Array, scale: float):
