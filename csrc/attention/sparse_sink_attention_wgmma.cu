@@ -34,6 +34,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <type_traits>
 
 #include "attention/common.cuh"
 #include "attention/params.h"
@@ -226,78 +227,94 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
     const uint8_t* s_valid = smem + kOffValid + stage * BK;
 
-    // S = Q K^T over D: 32 steps of k16; warp w gets rows 16w .. 16w + 15.
-    float sc[32];
+    // A short tile (at most 16 rows of the list: the last one of a DSpark block's 133 rows,
+    // say) computes 16 columns of S and one k16 step of P V. Exact: the other columns are
+    // masked (probability 0) and their V rows zero-filled, so they would only add +0. Two
+    // instantiations of the tile's math rather than branches inside one: ptxas serialises
+    // every wgmma of a kernel whose pipeline stages contain a branch.
+    const int tile_rows = min(BK, key_end - (key_begin + t * BK));
+    auto tile_math = [&](auto short_tile) {
+      constexpr bool kShort = decltype(short_tile)::value;
+      // S = Q K^T over D: 32 steps of k16; warp w gets rows 16w .. 16w + 15.
+      float sc[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) sc[i] = 0.f;
-    wgmma_fence();
+      for (int i = 0; i < 32; ++i) sc[i] = 0.f;
+      wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint64_t da = gmma_desc_noswizzle(q_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
-      const uint64_t db = gmma_desc_noswizzle(kv_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
-      wgmma_m64n64k16_ss(sc, da, db, ks > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 32; ++i) reg_fence(sc[i]);
-
-    // Online softmax: sc[4j + e] is row 16w + g + 8 (e >> 1), key 8j + 2 q4 + (e & 1); a
-    // row's 64 keys live in the 4 threads of a quad.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = 8 * j + 2 * q4 + (e & 1);
-        const float x = s_valid[key] ? sc[4 * j + e] * sl2 : -INFINITY;
-        sc[4 * j + e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint64_t da = gmma_desc_noswizzle(q_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
+        const uint64_t db = gmma_desc_noswizzle(kv_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
+        if constexpr (kShort)
+          wgmma_m64n16k16_ss(sc, da, db, ks > 0);
+        else
+          wgmma_m64n64k16_ss(sc, da, db, ks > 0);
       }
-    }
-    float alpha[2], mu[2];
+      wgmma_commit();
+      wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      const float m_new = fmaxf(m_run[i], mx[i]);
-      mu[i] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[i] = exp2f(m_run[i] - mu[i]);
-      m_run[i] = m_new;
-    }
-    // P as the A operand of O += P V: k-step ks covers keys 16 ks .. 16 ks + 15, i.e. the
-    // accumulator blocks j = 2 ks (a0: row g, a1: row g + 8) and 2 ks + 1 (a2, a3).
-    uint32_t pa[4][4];
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float pv[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pv[e] = exp2f(sc[4 * j + e] - mu[e >> 1]);
-        rs[e >> 1] += pv[e];
-      }
-      pa[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
-      pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
-    }
-    rescale_rows(o, l_run, alpha, rs);
+      for (int i = 0; i < 32; ++i) reg_fence(sc[i]);
 
-    // O[:, 256c .. 256c + 255] += P V: 4 steps of k16 over the tile's keys.
-    wgmma_fence();
+      // Online softmax: sc[4j + e] is row 16w + g + 8 (e >> 1), key 8j + 2 q4 + (e & 1); a
+      // row's 64 keys live in the 4 threads of a quad.
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int ks = 0; ks < BK / 16; ++ks) {
-      const uint64_t dv = gmma_desc_noswizzle(kv_base + c * 32 * kChunkColumn + ks * 2 * 128, 128, kChunkColumn);
-      wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      reg_fence(o[n][0]);
-      reg_fence(o[n][1]);
-      reg_fence(o[n][2]);
-      reg_fence(o[n][3]);
-    }
+        for (int e = 0; e < 4; ++e) {
+          const int key = 8 * j + 2 * q4 + (e & 1);
+          const float x = s_valid[key] ? sc[4 * j + e] * sl2 : -INFINITY;
+          sc[4 * j + e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      }
+      float alpha[2], mu[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float m_new = fmaxf(m_run[i], mx[i]);
+        mu[i] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[i] = exp2f(m_run[i] - mu[i]);
+        m_run[i] = m_new;
+      }
+      // P as the A operand of O += P V: k-step ks covers keys 16 ks .. 16 ks + 15, i.e. the
+      // accumulator blocks j = 2 ks (a0: row g, a1: row g + 8) and 2 ks + 1 (a2, a3).
+      uint32_t pa[4][4];
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float pv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pv[e] = exp2f(sc[4 * j + e] - mu[e >> 1]);
+          rs[e >> 1] += pv[e];
+        }
+        pa[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
+        pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
+      }
+      rescale_rows(o, l_run, alpha, rs);
+
+      // O[:, 256c .. 256c + 255] += P V: 4 steps of k16 over the tile's keys (1 for a short tile).
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < (kShort ? 1 : BK / 16); ++ks) {
+        const uint64_t dv = gmma_desc_noswizzle(kv_base + c * 32 * kChunkColumn + ks * 2 * 128, 128, kChunkColumn);
+        wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        reg_fence(o[n][0]);
+        reg_fence(o[n][1]);
+        reg_fence(o[n][2]);
+        reg_fence(o[n][3]);
+      }
+    };
+    if (tile_rows <= 16)
+      tile_math(std::true_type{});
+    else
+      tile_math(std::false_type{});
     __syncthreads();  // every warpgroup is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)

@@ -58,6 +58,20 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64x16] (+)= A[64x16] * B[16x16], both operands in shared memory, K-major: the first 8
+// registers of the m64n64k16 fragment `d` (columns 0 .. 15), for a tile with at most 16 rows.
+__device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64x256] += A[64x16] * B[16x256] (d[n][e]: the m16n8 C fragment of columns 8n .. 8n + 7):
 // A from registers (the m16n8k16 A fragment layout per
 // warp), B in shared memory MN-major (transposed: the N dimension is contiguous).
