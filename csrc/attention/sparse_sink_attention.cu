@@ -362,19 +362,36 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kStageBytes);
     const uint32_t vmask = s_valid[stage * 2 + c];
 
+    // Rows of the list in this tile (the same for all warps), and in this warp's 32 keys: a
+    // short last tile (the 5 draft rows after a DSpark block's 128 context rows, say) skips
+    // the key groups that hold no row. Exact: their scores are masked below (probability 0)
+    // and their rows zero-filled, so the skipped products would only add +0.
+    const int tile_rows = min(BK, key_end - (key_begin + t * BK));
+    const int warp_rows = tile_rows - 32 * c;
     float sc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    if (warp_rows > 16) {
 #pragma unroll 8
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t a[4], b0[4], b1[4];
-      ldmatrix_x4(a, q_addr + ks * 32);
-      ldmatrix_x4(b0, kv_base + k_off + ks * 32);
-      ldmatrix_x4(b1, kv_base + k_off + 16 * kRowStride + ks * 32);
-      mma_bf16_16816(sc[0], a, b0[0], b0[1]);
-      mma_bf16_16816(sc[1], a, b0[2], b0[3]);
-      mma_bf16_16816(sc[2], a, b1[0], b1[1]);
-      mma_bf16_16816(sc[3], a, b1[2], b1[3]);
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4], b0[4], b1[4];
+        ldmatrix_x4(a, q_addr + ks * 32);
+        ldmatrix_x4(b0, kv_base + k_off + ks * 32);
+        ldmatrix_x4(b1, kv_base + k_off + 16 * kRowStride + ks * 32);
+        mma_bf16_16816(sc[0], a, b0[0], b0[1]);
+        mma_bf16_16816(sc[1], a, b0[2], b0[3]);
+        mma_bf16_16816(sc[2], a, b1[0], b1[1]);
+        mma_bf16_16816(sc[3], a, b1[2], b1[3]);
+      }
+    } else if (warp_rows > 0) {
+#pragma unroll 8
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4], b0[4];
+        ldmatrix_x4(a, q_addr + ks * 32);
+        ldmatrix_x4(b0, kv_base + k_off + ks * 32);
+        mma_bf16_16816(sc[0], a, b0[0], b0[1]);
+        mma_bf16_16816(sc[1], a, b0[2], b0[3]);
+      }
     }
 
     float mx[2] = {-INFINITY, -INFINITY};
@@ -424,6 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ++ks) {
+      if (16 * ks >= tile_rows) break;  // keys 16 ks .. hold no row of the list
       uint32_t a[4];
       ldmatrix_x4(a, p_addr + ks * 32);
 #pragma unroll
