@@ -9,11 +9,15 @@
 //   * every thread gathers: row tile t + 1 is copied with per-thread 16-byte `cp.async`
 //     (row `tid / 4`, 16-byte chunks `tid % 4 + 4 i`) while tile t is computed; masked rows
 //     (index outside [0, n), or past the list) are zero-filled and flagged in `s_valid`;
-//   * shared memory holds Q [64 x 512] and two row tiles [64 x 512] in wgmma's no-swizzle
-//     layout: the 16-byte chunk j (dims 8j .. 8j + 7) of row r sits at
-//     j * 1024 + (r / 8) * 128 + (r % 8) * 16. One tile then serves both products: K-major
-//     B of S = Q K^T (LBO 1024 between the k16 halves, SBO 128 between 8-row groups) and
-//     MN-major B of O = P V (LBO 128 between 8-key groups, SBO 1024 between 8-dim groups);
+//   * shared memory holds Q [64 x 512] and two row tiles [64 x 512] in wgmma's 128-byte
+//     swizzle layout: eight column blocks of 64 dims, rows 128 bytes apart in a block, and
+//     the 16-byte chunk j (dims 8j .. 8j + 7) of row r at (j / 8) * 8192 + r * 128 +
+//     ((j % 8) ^ (r % 8)) * 16. One tile then serves both products: K-major B of S = Q K^T
+//     (SBO 1024 between 8-row groups, k16 steps advance the start address 32 bytes inside a
+//     block) and MN-major B of O = P V (LBO 8192 between column blocks, SBO 1024 between
+//     8-key groups). This is the layout dense Hopper GEMMs feed wgmma from; the first
+//     version used the no-swizzle layout, whose core matrices of one k16 slice lie 1 KB
+//     apart on the same banks (docs/kernels.md compares the two);
 //   * each warpgroup computes the whole S [64 x 64] (m64n64k16, both operands from shared
 //     memory, 32 steps over D), so row maxima and sums need no exchange between warpgroups;
 //     it then multiplies its P (registers, the m16n8k16 A layout) by its half of V's columns
@@ -48,8 +52,8 @@ constexpr int D = kAttnHeadDim;
 constexpr int BM = kAttnHeadsPerCta;
 constexpr int BK = kAttnKeysPerTile;
 constexpr int kChunks = D / 8;                // 16-byte chunks per row
-constexpr int kChunkColumn = BK * 16;         // bytes of one chunk index over 64 rows
-constexpr int kTileBytes = kChunks * kChunkColumn;
+constexpr int kBlockBytes = BK * 128;          // one 64-dim column block of 64 rows (8 KB)
+constexpr int kTileBytes = (kChunks / 8) * kBlockBytes;
 constexpr int kThreads = 256;                 // two warpgroups
 constexpr int kChunksPerThread = kChunks / 4;  // 4 threads per row
 constexpr int kOffQ = 0;
@@ -69,8 +73,10 @@ static_assert(kThreads == 4 * BK, "the gather maps thread -> (row, chunk phase)"
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
 
 
+// 128-byte swizzle: dims 64b .. 64b + 63 of all rows form column block b (rows 128 bytes
+// apart), and 16-byte chunk j of row r sits at chunk j ^ (r % 8) of its row.
 __device__ __forceinline__ uint32_t chunk_offset(int row, int chunk) {
-  return chunk * kChunkColumn + (row >> 3) * 128 + (row & 7) * 16;
+  return (chunk >> 3) * kBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
 // Index of row `row` of tile t in the concatenated [main | extra] list (-1 past the split).
@@ -154,7 +160,8 @@ __device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
   const AttnWorkItem item = attn_work_item(p);
   const int h0 = item.h0, split = item.split, key_begin = item.key_begin, key_end = item.key_end;
   const int ntiles = item.ntiles;
@@ -242,8 +249,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
-        const uint64_t da = gmma_desc_noswizzle(q_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
-        const uint64_t db = gmma_desc_noswizzle(kv_base + ks * 2 * kChunkColumn, kChunkColumn, 128);
+        const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;  // column block, k16 within it
+        const uint64_t da = gmma_desc_sw128(q_base + k_off, 16, 1024);
+        const uint64_t db = gmma_desc_sw128(kv_base + k_off, 16, 1024);
         if constexpr (kShort)
           wgmma_m64n16k16_ss(sc, da, db, ks > 0);
         else
@@ -298,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < (kShort ? 1 : BK / 16); ++ks) {
-        const uint64_t dv = gmma_desc_noswizzle(kv_base + c * 32 * kChunkColumn + ks * 2 * 128, 128, kChunkColumn);
+        const uint64_t dv = gmma_desc_sw128(kv_base + c * 4 * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
         wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
       }
       wgmma_commit();

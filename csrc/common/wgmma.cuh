@@ -22,6 +22,15 @@ __device__ __forceinline__ uint64_t gmma_desc_noswizzle(uint32_t smem_byte_addr,
          (uint64_t((sbo >> 4) & 0x3FFF) << 32);
 }
 
+// 128-byte-swizzle form (layout type 1): 8-row x 128-byte atoms, the 16-byte chunk j of row r
+// of an atom stored at chunk j ^ (r % 8); atoms must start 1024-byte aligned (the hardware
+// applies the XOR to address bits [4,7) from bits [7,10)). K-major: SBO = step between 8-row
+// groups, LBO unused (K stays within the 128-byte row). MN-major: LBO = step between
+// 64-element (128-byte) column blocks along MN, SBO = step between groups of 8 K rows.
+__device__ __forceinline__ uint64_t gmma_desc_sw128(uint32_t smem_byte_addr, uint32_t lbo, uint32_t sbo) {
+  return gmma_desc_noswizzle(smem_byte_addr, lbo, sbo) | (uint64_t(1) << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
