@@ -33,8 +33,8 @@ def test_kernel_report_names_every_kernel_with_a_reason():
 
 def test_attention_target_follows_the_env_switch(monkeypatch):
     monkeypatch.delenv(_kernels.ATTENTION_KERNEL_ENV, raising=False)
+    # auto wants wgmma for either pool kind; not registered here, so it falls back to mma.sync.
     assert _kernels.attention_target() == "jax_dspark_sparse_sink_attention"
-    # auto with FP8 pools wants wgmma; not registered here, so it falls back to mma.sync.
     assert _kernels.attention_target(fp8=True) == "jax_dspark_sparse_sink_attention"
     monkeypatch.setenv(_kernels.ATTENTION_KERNEL_ENV, "mma")
     assert _kernels.attention_target(fp8=True) == "jax_dspark_sparse_sink_attention"
@@ -68,21 +68,20 @@ def test_attention_bench_row_names_its_kernel_and_leaves_unmeasured_fields_empty
     row = bench_attention._case_row(case, "bf16", "wgmma", float("nan"), 100.0, 1e9, 1e6, "memory", 4.0, 700.0)
     assert row["kernel"] == "wgmma" and row["xla_us"] == 100.0 and row["name"] == case.name
     assert row["kernel_us"] is None and row["meets_target"] is False  # no kernel on this machine
-    assert row["default"] is False  # bf16 pools default to mma.sync
-    fp8 = bench_attention._case_row(case, "fp8", "wgmma", 50.0, 100.0, 1e9, 1e6, "memory", 4.0, 700.0)
-    assert fp8["default"] is True and fp8["speedup_vs_xla"] == 2.0
+    assert row["default"] is True  # both pool kinds default to wgmma
+    mma = bench_attention._case_row(case, "bf16", "mma", 50.0, 100.0, 1e9, 1e6, "memory", 4.0, 700.0)
+    assert mma["default"] is False and mma["speedup_vs_xla"] == 2.0
 
 
-def test_auto_attention_kernel_picks_wgmma_for_fp8_pools_when_registered(monkeypatch):
+def test_auto_attention_kernel_picks_wgmma_for_both_pool_kinds_when_registered(monkeypatch):
     monkeypatch.delenv(_kernels.ATTENTION_KERNEL_ENV, raising=False)
     report = {name: _ffi.REGISTERED for name, _ in _kernels.ATTENTION_KERNELS.values()}
     monkeypatch.setattr(_ffi, "kernel_report", lambda: report)
-    assert _kernels.attention_target(fp8=False) == "jax_dspark_sparse_sink_attention"
+    assert _kernels.attention_target(fp8=False) == "jax_dspark_sparse_sink_attention_wgmma"
     assert _kernels.attention_target(fp8=True) == "jax_dspark_sparse_sink_attention_wgmma"
     with _kernels.attention_kernel("mma"):
+        assert _kernels.attention_target(fp8=False) == "jax_dspark_sparse_sink_attention"
         assert _kernels.attention_target(fp8=True) == "jax_dspark_sparse_sink_attention"
-    with _kernels.attention_kernel("wgmma"):
-        assert _kernels.attention_target(fp8=False) == "jax_dspark_sparse_sink_attention_wgmma"
 
 
 def test_forcing_an_unavailable_kernel_raises_with_its_name():

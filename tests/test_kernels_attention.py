@@ -5,8 +5,8 @@ so an element the kernel forgets to write fails loudly. Error metric: ||out - re
 over bf16 outputs, tolerance 1e-2 (bf16 probabilities and output rounding give ~3e-3);
 lse within 2e-3 (absolute and relative). FP8 pools (ops.kv_fp8) are held to the same
 tolerance against the reference on their dequantised rows, and to 1e-5 (lse: 1e-6) against
-the same kernel run on those dequantised bf16 rows (by default FP8 pools go to the wgmma
-kernel and bf16 pools to mma.sync, so the comparison pins the kernel explicitly): the
+the same kernel run on those dequantised bf16 rows (the comparison pins the kernel
+explicitly, whatever the default dispatch picks): the
 loader's expansion is exact and the MMA pipeline is the same code, so the two should agree
 to the bit; the slack only allows for the compiler scheduling the two instantiations' float
 ops differently.
@@ -101,15 +101,37 @@ def test_env_switch_sends_calls_to_the_wgmma_target(monkeypatch):
     assert "jax_dspark_sparse_sink_attention_wgmma" not in lowered()
 
 
-def test_default_sends_fp8_pools_to_wgmma_and_bf16_pools_to_mma(monkeypatch):
+def test_default_sends_bf16_and_fp8_pools_to_wgmma(monkeypatch):
     monkeypatch.delenv("JAX_DSPARK_ATTENTION_KERNEL", raising=False)
 
     def lowered(a):
         with ops.force("kernel"):
             return jax.jit(lambda a: ops.sparse_sink_attention(**a, scale=0.05)).lower(a).as_text()
 
-    assert "jax_dspark_sparse_sink_attention_wgmma" not in lowered(make_case(0, 1, 1, 64, 70)[0])
+    assert "jax_dspark_sparse_sink_attention_wgmma" in lowered(make_case(0, 1, 1, 64, 70)[0])
     assert "jax_dspark_sparse_sink_attention_wgmma" in lowered(fp8_case(0, b=1, s=1, h=64, k=70)[0])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(b=2, s=2, h=64, k=65, k2=7, n2=20),  # tile edge, both pools
+        dict(b=2, s=3, h=128, k=133),  # DSpark block: a short last tile
+        dict(b=1, s=1, h=96, k=70),  # partial head block
+        dict(b=1, s=2, h=64, k=3000, n=5000),  # split over CTAs
+    ],
+    ids=["tile-edge", "short-tile", "h96", "split-k"],
+)
+def test_mma_kernel_still_matches_the_reference(monkeypatch, case):
+    # Default dispatch sends every pool to the wgmma kernel, so the rest of this file runs
+    # there; the mma.sync kernel (the fallback, and JAX_DSPARK_ATTENTION_KERNEL=mma) keeps
+    # these cases of its own.
+    monkeypatch.setenv("JAX_DSPARK_ATTENTION_KERNEL", "mma")
+    args, rng = make_case(sum(case.values()), **case)
+    h = case["h"]
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((case["b"], case["s"], 32, 2)), jnp.float32)
+    check(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
 
 
 @pytest.mark.parametrize("h", [64, 128])

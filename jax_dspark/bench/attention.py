@@ -11,7 +11,7 @@ Every case runs twice, `kv_dtype` "bf16" (1024-byte rows) and "fp8" (both pools 
 bytes the kernel reads, so `kernel_TBps` counts 584 B per distinct row), and every
 registered kernel variant gets its own row (`kernel`: "mma.sync" and "wgmma"), all against the
 same XLA timing; `default` marks the row of the kernel that calls get by default
-(`ops._kernels.AUTO_ATTENTION_KERNEL`: mma.sync for bf16 pools, wgmma for FP8 pools).
+(`ops._kernels.AUTO_ATTENTION_KERNEL`: wgmma for both kinds since 4380827).
 """
 
 from __future__ import annotations

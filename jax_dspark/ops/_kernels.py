@@ -157,9 +157,9 @@ ATTENTION_KERNELS = {
     "wgmma": ("sparse_sink_attention_wgmma", "jax_dspark_sparse_sink_attention_wgmma"),
 }
 # What "auto" (the default) picks, by whether a pool holds FP8 rows: the faster kernel of
-# each kind on the H200 (docs/benchmarks/attention.md, both kernels timed in one run: with
-# bf16 pools mma.sync is 1.05-1.3x faster, with FP8 pools wgmma is 1.2-1.65x faster).
-AUTO_ATTENTION_KERNEL = {False: "mma", True: "wgmma"}
+# each kind on the H200 (docs/benchmarks/attention.md, both kernels timed in one run at
+# 4380827: wgmma is 1.2-1.4x faster than mma.sync on bf16 pools and 1.1-1.9x on FP8 pools).
+AUTO_ATTENTION_KERNEL = {False: "wgmma", True: "wgmma"}
 
 
 def _attention_variant(name: str, what: str) -> str:
@@ -189,9 +189,8 @@ def attention_variant(fp8: bool = False) -> str:
     """Kernel variant ("mma" or "wgmma") for an attention call whose pools hold FP8 rows
     (`fp8`) or not (read at trace time).
 
-    `JAX_DSPARK_ATTENTION_KERNEL` = "auto" (default: `AUTO_ATTENTION_KERNEL`, mma.sync for
-    bf16 pools, wgmma when a pool is FP8, falling back to mma.sync where the wgmma kernel is
-    not registered), "mma" or "wgmma" (that kernel for every call; asking for one that is
+    `JAX_DSPARK_ATTENTION_KERNEL` = "auto" (default: `AUTO_ATTENTION_KERNEL`, wgmma for
+    bf16 and FP8 pools, falling back to mma.sync where the wgmma kernel is not registered), "mma" or "wgmma" (that kernel for every call; asking for one that is
     not registered raises with the reason). Both kernels compute the same contract and are
     tested against the same reference. Being read when a call is traced, the setting is
     baked into jit's cached traces: set it before the first call (or trace new functions
