@@ -32,8 +32,8 @@
 // row's 8 scale bytes into registers; one iteration later, before the tile is used, the same
 // thread expands its own chunks to bf16 in the tile (exact, as in the mma.sync kernel), so
 // the staging row needs no barrier of its own and the MMA pipeline is unchanged. Status:
-// validated on the H200 (2026-12-03); the default for FP8 pools, 1.05-1.3x slower than the
-// mma.sync kernel on bf16 pools (docs/kernels.md).
+// validated on the H200 (2026-12-03); the default kernel for both pool kinds, 1.1-1.9x faster
+// than the mma.sync kernel (docs/benchmarks/attention.md).
 #include <cuda_bf16.h>
 
 #include <cfloat>

@@ -124,7 +124,7 @@ def sparse_sink_attention(
 
 def _fp8_kernel_enabled() -> bool:
     """Whether FP8 pools go to a kernel in "auto" dispatch: when the kernel they would get is
-    the wgmma one (the default for FP8 pools, `_kernels.AUTO_ATTENTION_KERNEL`), or under
+    the wgmma one (the default, `_kernels.AUTO_ATTENTION_KERNEL`), or under
     `ops.force("kernel")` or JAX_DSPARK_FP8_ATTENTION=1.
 
     Why the mma.sync kernel's FP8 instantiation stays opt-in: in two of five H200 runs
