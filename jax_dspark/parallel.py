@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_dspark import ops
 from jax_dspark.ops.moe import expert_rows
+from jax_dspark.ops.moe_fp8 import Fp8Weight, fp8_expert_rows
 
 AXES = ("data", "sequence", "expert", "tensor")
 
@@ -166,13 +167,23 @@ def moe_experts_ep(
 
     Args:
       x: `[T, d]`; ids `int32[T, k]`; weights `f32[T, k]`; `w_gate_up [E, d, 2I]`,
-        `w_down [E, I, d]` as in `ops.moe_experts`. T and E must divide by the axis size.
+        `w_down [E, I, d]` as in `ops.moe_experts`, or both FP8 (`ops.moe_fp8.Fp8Weight`,
+        values and exponents split along E alike). T and E must divide by the axis size.
     Returns:
       `[T, d]` sharded along `axis` like x.
+
+    Each device runs its experts with the pure-JAX grouped matmul (`expert_rows`, or
+    `fp8_expert_rows` for FP8 weights: DeepSeek's activation quantisation included, so the
+    result equals single-device `ops.moe_experts` on the same weights), not the CUDA
+    grouped-GEMM kernels.
     """
+    fp8 = isinstance(w_gate_up, Fp8Weight)
+    if fp8 != isinstance(w_down, Fp8Weight):
+        raise ValueError("moe_experts_ep: w_gate_up and w_down must both be Fp8Weight or both arrays")
+    rows_fn = fp8_expert_rows if fp8 else expert_rows
     n = mesh.shape[axis]
     t, k = ids.shape
-    e = w_gate_up.shape[0]
+    e = (w_gate_up.values if fp8 else w_gate_up).shape[0]
     if e % n or t % n:
         raise ValueError(f"moe_experts_ep: experts E={e} and tokens T={t} must divide by mesh[{axis!r}]={n}")
     e_local = e // n
@@ -192,7 +203,7 @@ def moe_experts_ep(
         send_e = jnp.full((n, rows_out), -1, jnp.int32).at[sorted_dest, slot].set(flat_ids[order] % e_local)
         recv_x = jax.lax.all_to_all(send_x, axis, 0, 0)
         recv_e = jax.lax.all_to_all(send_e, axis, 0, 0)
-        y = expert_rows(recv_x.reshape(n * rows_out, d), recv_e.reshape(-1), wgu, wd, limit=limit)
+        y = rows_fn(recv_x.reshape(n * rows_out, d), recv_e.reshape(-1), wgu, wd, limit=limit)
         back = jax.lax.all_to_all(y.reshape(n, rows_out, d), axis, 0, 0)
         mine = back[sorted_dest, slot]  # [rows_out, d] in `order`
         w = weights.reshape(-1)[order].astype(jnp.float32)

@@ -52,6 +52,37 @@ def test_expert_parallel_moe_equals_single_device(n):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_expert_parallel_fp8_moe_equals_single_device(n):
+    # ops.moe_experts with FP8 weights under ops.expert_parallel: tokens padded to the axis
+    # (T = 13), experts split with their block exponents, DeepSeek's activation rounding on
+    # every shard; each row meets the same arithmetic as on one device.
+    rng = np.random.default_rng(10 + n)
+    t, d, e, i, k = 13, 128, 8, 128, 2
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w1, w2 = ops.quantize_expert_weights(
+        jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 8, jnp.float32),
+        jnp.asarray(rng.standard_normal((e, i, d)) / 8, jnp.float32),
+    )
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[:, :2] += 3.0  # skewed: the first device gets most rows
+    w, ids = ops.topk_route(ops.router_scores(jnp.asarray(logits)), k)
+    ref = ops.moe_experts(x, ids, w, w1, w2, limit=2.0)
+    mesh = parallel.make_mesh(expert=n)
+    with ops.expert_parallel(mesh):
+        out = jax.jit(lambda *a: ops.moe_experts(*a, limit=2.0))(x, ids, w, w1, w2)
+    assert out.shape == (t, d)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_expert_parallel_rejects_mixed_fp8_and_bf16_weights():
+    mesh = parallel.make_mesh(expert=2)
+    w1, w2 = ops.quantize_expert_weights(jnp.ones((2, 128, 256)), jnp.ones((2, 128, 128)))
+    ids = jnp.zeros((2, 1), jnp.int32)
+    with pytest.raises(ValueError, match="both be Fp8Weight"):
+        parallel.moe_experts_ep(jnp.ones((2, 128)), ids, jnp.ones((2, 1)), w1, jnp.ones((2, 128, 128)), mesh=mesh)
+
+
 def test_helix_attention_equals_single_device_with_sink_applied_once():
     rng = np.random.default_rng(0)
     b, s, h, d, n, k = 2, 3, 4, 64, 64, 24

@@ -159,8 +159,7 @@ def moe_experts_fp8(
         _checks.fail("limit", "must be > 0 or None", limit)
     ep = moe._EXPERT_PARALLEL.get()
     if ep is not None and ep[0].shape[ep[1]] > 1:
-        _checks.fail("w_gate_up", "FP8 experts do not run expert-parallel yet; use BF16 weights under expert_parallel",
-                     "Fp8Weight")
+        return moe._moe_experts_ep_padded(x, ids, weights, w_gate_up, w_down, limit, *ep)
     from jax_dspark.ops import _moe_kernels
 
     if _moe_kernels.experts_fp8_available():
