@@ -190,8 +190,9 @@ def attention_variant(fp8: bool = False) -> str:
     (`fp8`) or not (read at trace time).
 
     `JAX_DSPARK_ATTENTION_KERNEL` = "auto" (default: `AUTO_ATTENTION_KERNEL`, wgmma for
-    bf16 and FP8 pools, falling back to mma.sync where the wgmma kernel is not registered), "mma" or "wgmma" (that kernel for every call; asking for one that is
-    not registered raises with the reason). Both kernels compute the same contract and are
+    bf16 and FP8 pools, falling back to mma.sync where the wgmma kernel is not registered),
+    "mma" or "wgmma" (that kernel for every call; asking for one that is not registered
+    raises with the reason). Both kernels compute the same contract and are
     tested against the same reference. Being read when a call is traced, the setting is
     baked into jit's cached traces: set it before the first call (or trace new functions
     after changing it, as the benchmark does).
