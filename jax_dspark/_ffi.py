@@ -34,7 +34,7 @@ import jax
 # Kernel name (what ops ask `use_kernel` about) -> the FFI targets it needs.
 KERNELS: dict[str, tuple[str, ...]] = {
     "sparse_sink_attention": ("jax_dspark_sparse_sink_attention",),
-    "sparse_sink_attention_wgmma": ("jax_dspark_sparse_sink_attention_wgmma",),  # FP8 pools by default, ops/_kernels.py
+    "sparse_sink_attention_wgmma": ("jax_dspark_sparse_sink_attention_wgmma",),  # the default for both pool kinds, ops/_kernels.py
     "rms_norm_rope": ("jax_dspark_rms_norm_rope", "jax_dspark_rms_norm_rope_fp8"),
     "moe_experts": ("jax_dspark_moe_experts",),
     "moe_experts_fp8": ("jax_dspark_moe_experts_fp8",),

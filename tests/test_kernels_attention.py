@@ -6,10 +6,9 @@ over bf16 outputs, tolerance 1e-2 (bf16 probabilities and output rounding give ~
 lse within 2e-3 (absolute and relative). FP8 pools (ops.kv_fp8) are held to the same
 tolerance against the reference on their dequantised rows, and to 1e-5 (lse: 1e-6) against
 the same kernel run on those dequantised bf16 rows (the comparison pins the kernel
-explicitly, whatever the default dispatch picks): the
-loader's expansion is exact and the MMA pipeline is the same code, so the two should agree
-to the bit; the slack only allows for the compiler scheduling the two instantiations' float
-ops differently.
+explicitly, whatever the default dispatch picks): the loader's expansion is exact and the
+MMA pipeline is the same code, so the two should agree to the bit; the slack only allows
+for the compiler scheduling the two instantiations' float ops differently.
 """
 
 import jax
