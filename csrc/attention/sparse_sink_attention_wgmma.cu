@@ -18,12 +18,18 @@
 //     8-key groups). This is the layout dense Hopper GEMMs feed wgmma from; the first
 //     version used the no-swizzle layout, whose core matrices of one k16 slice lie 1 KB
 //     apart on the same banks (docs/kernels.md compares the two);
-//   * each warpgroup computes the whole S [64 x 64] (m64n64k16, both operands from shared
-//     memory, 32 steps over D), so row maxima and sums need no exchange between warpgroups;
-//     it then multiplies its P (registers, the m16n8k16 A layout) by its half of V's columns
-//     (m64n256k16, 4 steps over the 64 keys): warpgroup c owns output dims 256c .. 256c + 255.
-//   Redundant S costs 1.5x the tensor work of the minimum and saves a P exchange through
-//   shared memory and its barriers.
+//   * bf16 pools: warpgroup c computes S for keys 32c .. 32c + 31 of the tile (m64n32k16,
+//     both operands from shared memory, 32 steps over D); warp w of each warpgroup holds
+//     heads 16w .. 16w + 15, and the two warps with the same w swap their row maxima and
+//     then their P fragments through 8.5 KB of shared memory, each swap under a named
+//     barrier of those 64 threads only. Each warpgroup then multiplies all 64 keys of P
+//     (registers, the m16n8k16 A layout: its own half and its partner's) by its half of V's
+//     columns (m64n256k16, 4 steps over the keys): warpgroup c owns output dims
+//     256c .. 256c + 255. Both use the same running max, so O and the row sums rescale
+//     alike; the halves' row sums are added in the epilogue. Tensor work is the minimum
+//     (S once, P V once), against 1.5x when each warpgroup computed the whole S;
+//   * FP8 pools still compute the whole S [64 x 64] in each warpgroup (m64n64k16): their
+//     staging rows leave no shared memory for the swap (227 KB per CTA).
 // Split-K partials and the epilogue are the mma.sync kernel's (attention/common.cuh).
 //
 // FP8 pools (params.h: 448 e4m3 + 64 bf16 RoPE dims + UE8M0 scales per row), second
@@ -33,7 +39,8 @@
 // thread expands its own chunks to bf16 in the tile (exact, as in the mma.sync kernel), so
 // the staging row needs no barrier of its own and the MMA pipeline is unchanged. Status:
 // validated on the H200 (2026-12-03); the default kernel for both pool kinds, 1.1-1.9x faster
-// than the mma.sync kernel (docs/benchmarks/attention.md).
+// than the mma.sync kernel (docs/benchmarks/attention.md). The bf16 split of S: kernel_driver
+// edge cases and memcheck on the H200, 1.06-1.18x over the duplicated S (docs/kernels.md).
 #include <cuda_bf16.h>
 
 #include <cfloat>
@@ -60,6 +67,13 @@ constexpr int kOffQ = 0;
 constexpr int kOffKV = kTileBytes;
 constexpr int kOffValid = kOffKV + 2 * kTileBytes;
 constexpr int kSmemBytes = kOffValid + 2 * BK;
+// bf16 instantiation (split S): the row maxima and sums one warpgroup hands the other
+// ([2][64] floats) and each thread's P fragments of its 32 keys (8 words) for its partner
+// thread tid ^ 128. Not in the FP8 instantiation: its staging rows leave no room.
+constexpr int kOffXRow = kSmemBytes;
+constexpr int kOffXP = kOffXRow + 2 * BM * 4;
+constexpr int kSmemBytesBf16 = kOffXP + kThreads * 32;
+static_assert(kOffXP % 16 == 0 && kSmemBytesBf16 <= 227 * 1024, "exchange area: uint4 stores, one CTA's budget");
 // FP8 instantiation: one staging row of e4m3 bytes per tile row (the tile in flight).
 constexpr int kNopeChunks = kAttnNopeDim / 8;  // 8-dim chunks held as e4m3 (56)
 constexpr int kOffStaging = kSmemBytes;
@@ -319,21 +333,146 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
         reg_fence(o[n][3]);
       }
     };
-    if (tile_rows <= 16)
-      tile_math(std::true_type{});
-    else
-      tile_math(std::false_type{});
-    __syncthreads();  // every warpgroup is done with this stage before it is refilled
+    // bf16 pools: S split between the warpgroups (warpgroup c: keys 32c .. 32c + 31 of the
+    // tile), no duplicated tensor work. The two warps that own heads 16w .. 16w + 15 (warp w
+    // of each warpgroup) swap row maxima, then P fragments, through shared memory under a
+    // named barrier of their 64 threads; thread tid's partner is tid ^ 128, which holds the
+    // same rows and key offsets of the other half. Both warpgroups then use the same running
+    // max, so O and the row sums rescale alike; the sums stay per half until the epilogue.
+    auto tile_math_split = [&](auto short_tile) {
+      constexpr bool kShort = decltype(short_tile)::value;
+      float sc[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sc[i] = 0.f;
+      const uint32_t k_base = kv_base + c * 32 * 128;  // row 32c of every column block (1024-aligned)
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+        const uint64_t da = gmma_desc_sw128(q_base + k_off, 16, 1024);
+        const uint64_t db = gmma_desc_sw128(k_base + k_off, 16, 1024);
+        if constexpr (kShort)
+          wgmma_m64n16k16_ss(sc, da, db, ks > 0);
+        else
+          wgmma_m64n32k16_ss(sc, da, db, ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
+
+      // sc[4j + e]: row 16w + g + 8 (e >> 1), key 32c + 8j + 2 q4 + (e & 1).
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = 32 * c + 8 * j + 2 * q4 + (e & 1);
+          const float x = s_valid[key] ? sc[4 * j + e] * sl2 : -INFINITY;
+          sc[4 * j + e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      }
+      float* xrow = reinterpret_cast<float*>(smem + kOffXRow);  // [warpgroup][head row]
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        if (q4 == 0) xrow[c * BM + 16 * w + g + 8 * i] = mx[i];
+      }
+      named_barrier_sync(1 + w, 64);
+      float alpha[2], mu[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], xrow[(1 - c) * BM + 16 * w + g + 8 * i]);
+        const float m_new = fmaxf(m_run[i], mx[i]);
+        mu[i] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[i] = exp2f(m_run[i] - mu[i]);
+        m_run[i] = m_new;
+      }
+      // This half's P as two k16 A fragments (keys 32c + 16 kk ..): pown[kk].
+      uint32_t pown[2][4];
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float pv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pv[e] = exp2f(sc[4 * j + e] - mu[e >> 1]);
+          rs[e >> 1] += pv[e];
+        }
+        pown[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
+        pown[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
+      }
+      uint4* xp = reinterpret_cast<uint4*>(smem + kOffXP);  // [k16 step of the half][thread]
+      xp[tid] = make_uint4(pown[0][0], pown[0][1], pown[0][2], pown[0][3]);
+      xp[kThreads + tid] = make_uint4(pown[1][0], pown[1][1], pown[1][2], pown[1][3]);
+      rescale_rows(o, l_run, alpha, rs);
+      named_barrier_sync(1 + w, 64);
+      const uint4 q0 = xp[tid ^ 128], q1 = xp[kThreads + (tid ^ 128)];
+      const uint32_t poth[2][4] = {{q0.x, q0.y, q0.z, q0.w}, {q1.x, q1.y, q1.z, q1.w}};
+      // k-step ks covers keys 16 ks ..: warpgroup 0's half for ks < 2, warpgroup 1's after.
+      uint32_t pa[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[ks][r] = ((ks >> 1) == c) ? pown[ks & 1][r] : poth[ks & 1][r];
+
+      // O[:, 256c .. 256c + 255] += P V over the tile's 64 keys (a short tile: its first 16).
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < (kShort ? 1 : BK / 16); ++ks) {
+        const uint64_t dv = gmma_desc_sw128(kv_base + c * 4 * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
+        wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        reg_fence(o[n][0]);
+        reg_fence(o[n][1]);
+        reg_fence(o[n][2]);
+        reg_fence(o[n][3]);
+      }
+    };
+    if constexpr (kFp8) {
+      if (tile_rows <= 16)
+        tile_math(std::true_type{});
+      else
+        tile_math(std::false_type{});
+    } else {
+      if (tile_rows <= 16)
+        tile_math_split(std::true_type{});
+      else
+        tile_math_split(std::false_type{});
+    }
+    __syncthreads();  // every warpgroup is done with this stage (and the exchange area) before reuse
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
-  // Epilogue: quad sums; both warpgroups hold whole rows, warpgroup 0 stores the lse.
+  // Epilogue: quad sums (bf16: plus the other half's, through the exchange area); both
+  // warpgroups hold whole rows, warpgroup 0 stores the lse.
+  float lsum[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    lsum[i] = l_run[i];
+    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 1);
+    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 2);
+  }
+  if constexpr (!kFp8) {
+    float* xrow = reinterpret_cast<float*>(smem + kOffXRow);
+    if (q4 == 0) {
+      xrow[c * BM + 16 * w + g] = lsum[0];
+      xrow[c * BM + 16 * w + g + 8] = lsum[1];
+    }
+    named_barrier_sync(1 + w, 64);
+    lsum[0] += xrow[(1 - c) * BM + 16 * w + g];
+    lsum[1] += xrow[(1 - c) * BM + 16 * w + g + 8];
+  }
   float lse[2], inv[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    float l = l_run[i];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float l = lsum[i];
     lse[i] = (m_run[i] == -INFINITY || !(l > 0.f)) ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
     inv[i] = l > 0.f ? 1.f / l : 0.f;
   }
@@ -343,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 template <bool kFp8>
 cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return launch_attention_grid<sparse_sink_attention_wgmma_kernel<kFp8>>(p, kThreads,
-                                                                         kFp8 ? kSmemBytesFp8 : kSmemBytes, stream);
+                                                                         kFp8 ? kSmemBytesFp8 : kSmemBytesBf16, stream);
 }
 
 }  // namespace
