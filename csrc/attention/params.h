@@ -66,8 +66,9 @@ inline int64_t attn_workspace_floats(int batch, int seq, int heads, int num_spli
 cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 // The same attention on Hopper wgmma (sparse_sink_attention_wgmma.cu), same contract,
-// workspace and split-K. Not yet validated on a GPU: reached through its own FFI target
-// only on request (JAX_DSPARK_ATTENTION_KERNEL=wgmma) and from kernel_driver --wgmma.
+// workspace and split-K; its own FFI target, the default for bf16 and FP8 pools on sm_90
+// (jax_dspark/_ffi.py, AUTO_ATTENTION_KERNEL; JAX_DSPARK_ATTENTION_KERNEL=mma forces the
+// other), and kernel_driver --wgmma. Validated on the H200 (docs/kernels.md).
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 }  // namespace jds
