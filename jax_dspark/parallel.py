@@ -172,15 +172,16 @@ def moe_experts_ep(
     Returns:
       `[T, d]` sharded along `axis` like x.
 
-    Each device runs its experts with the pure-JAX grouped matmul (`expert_rows`, or
-    `fp8_expert_rows` for FP8 weights: DeepSeek's activation quantisation included, so the
-    result equals single-device `ops.moe_experts` on the same weights), not the CUDA
-    grouped-GEMM kernels.
+    Each device runs its experts as `ops.moe_experts` would on one device
+    (`shard_expert_rows`): the CUDA grouped-GEMM kernels where they run, else the pure-JAX
+    grouped matmul (`expert_rows`, or `fp8_expert_rows` for FP8 weights, DeepSeek's
+    activation quantisation included); either way the result equals single-device
+    `ops.moe_experts` on the same weights up to f32 summation order.
     """
     fp8 = isinstance(w_gate_up, Fp8Weight)
     if fp8 != isinstance(w_down, Fp8Weight):
         raise ValueError("moe_experts_ep: w_gate_up and w_down must both be Fp8Weight or both arrays")
-    rows_fn = fp8_expert_rows if fp8 else expert_rows
+    rows_fn = shard_expert_rows(fp8)
     n = mesh.shape[axis]
     t, k = ids.shape
     e = (w_gate_up.values if fp8 else w_gate_up).shape[0]
@@ -192,20 +193,23 @@ def moe_experts_ep(
         t_l, d = x.shape
         rows_out = t_l * k
         flat_ids = ids.reshape(-1)
-        dest = flat_ids // e_local
+        # An id outside [0, E) (possible only under jit) goes to destination n, which does
+        # not exist: never sent, its row reads back as zeros, as in the single-device op.
+        dest = jnp.where((flat_ids >= 0) & (flat_ids < e), flat_ids // e_local, n)
         order = jnp.argsort(dest, stable=True)
-        counts = jnp.bincount(dest, length=n)
+        counts = jnp.bincount(dest, length=n + 1)
         starts = jnp.cumsum(counts) - counts
         sorted_dest = dest[order]
         slot = jnp.arange(rows_out) - starts[sorted_dest]  # rank of the row within its destination
         token = order // k
-        send_x = jnp.zeros((n, rows_out, d), x.dtype).at[sorted_dest, slot].set(x[token])
-        send_e = jnp.full((n, rows_out), -1, jnp.int32).at[sorted_dest, slot].set(flat_ids[order] % e_local)
+        send_x = jnp.zeros((n, rows_out, d), x.dtype).at[sorted_dest, slot].set(x[token], mode="drop")
+        send_e = jnp.full((n, rows_out), -1, jnp.int32).at[sorted_dest, slot].set(flat_ids[order] % e_local,
+                                                                                 mode="drop")
         recv_x = jax.lax.all_to_all(send_x, axis, 0, 0)
         recv_e = jax.lax.all_to_all(send_e, axis, 0, 0)
         y = rows_fn(recv_x.reshape(n * rows_out, d), recv_e.reshape(-1), wgu, wd, limit=limit)
         back = jax.lax.all_to_all(y.reshape(n, rows_out, d), axis, 0, 0)
-        mine = back[sorted_dest, slot]  # [rows_out, d] in `order`
+        mine = back.at[sorted_dest, slot].get(mode="fill", fill_value=0)  # [rows_out, d] in `order`
         w = weights.reshape(-1)[order].astype(jnp.float32)
         out = jnp.zeros((t_l, d), jnp.float32).at[token].add(mine * w[:, None])
         return out.astype(x.dtype)
@@ -213,6 +217,31 @@ def moe_experts_ep(
     spec = P(axis)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec, spec), out_specs=spec)
     return fn(x, ids, weights, w_gate_up, w_down)
+
+
+def shard_expert_rows(fp8: bool):
+    """How one device runs received rows through its experts under `moe_experts_ep`:
+    `(rows [R, d], ids int32[R], w_gate_up, w_down, *, limit) -> [R, d]`.
+
+    With the kernel library on a GPU (`_ffi.use_kernel`, so `ops.force` applies), the CUDA
+    grouped-GEMM kernels of `ops.moe_experts`: each row is a token with one slot of weight
+    1, so the kernel's un-permute hands back the expert's output row itself (bf16, as the
+    single-device kernel's rows before its weighted sum), and ids outside `[0, E)` (the
+    dispatch buffer's padding) give zero rows, as in the reference. Elsewhere the pure-JAX
+    grouped matmul (`expert_rows` / `fp8_expert_rows`, f32 rows).
+    """
+    from jax_dspark import _ffi
+    from jax_dspark.ops import _moe_kernels
+
+    if not _ffi.use_kernel("moe_experts_fp8" if fp8 else "moe_experts"):
+        return fp8_expert_rows if fp8 else expert_rows
+    kernel = _moe_kernels.moe_experts_fp8 if fp8 else _moe_kernels.moe_experts
+
+    def rows_through_kernel(rows, ids, w_gate_up, w_down, *, limit=None):
+        one_slot = jnp.ones((rows.shape[0], 1), jnp.float32)
+        return kernel(rows, ids[:, None], one_slot, w_gate_up, w_down, limit=limit)
+
+    return rows_through_kernel
 
 
 def helix_sparse_sink_attention(

@@ -307,6 +307,36 @@ def test_kernel_fp8_experts_stay_close_to_bf16_kernel(kernels):
     assert rel_err(fp8, bf16) < 0.1  # four e4m3 roundings, ~0.065 on the CPU reference
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernel_experts_serve_expert_parallel_shards(kernels, fp8):
+    # parallel.moe_experts_ep on a one-GPU mesh: the shard body sends its rows (with -1
+    # padding rows from the dispatch buffer) through the CUDA kernels as one-slot tokens.
+    # Forced kernels: an unavailable kernel raises instead of testing the reference. The
+    # single-device kernel sums the same bf16 expert rows in another f32 order.
+    from jax_dspark import parallel
+
+    x, ids, weights, wgu, wd = problem(25 + fp8, 48, 6, 32, 256, 128)
+    ids[3, 1] = -1  # a dropped slot under jit, as a padding row would be
+    if fp8:
+        with ops.force("reference"):
+            wgu, wd = moe_fp8.quantize_expert_weights(wgu, wd)
+    single = jax.jit(lambda *a: ops.moe_experts(*a, limit=10.0))(x, ids, weights, wgu, wd)
+    mesh = parallel.make_mesh(expert=1)
+    poison = jnp.full(x.shape, jnp.nan, x.dtype)
+
+    def ep(p, *a):
+        del p
+        return parallel.moe_experts_ep(*a, mesh=mesh, limit=10.0)
+
+    out = jax.jit(ep, donate_argnums=0)(poison, x, ids, weights, wgu, wd)
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    assert rel_err(out, single) < 1e-2
+    if not fp8:
+        assert rel_err(out, _per_token_moe(x, ids, weights, wgu, wd, 10.0)) < TOL
+
+
 _GRAPH_SCRIPT_FP8 = """
 import jax, jax.numpy as jnp, numpy as np
 from jax_dspark import ops

@@ -75,6 +75,68 @@ def test_expert_parallel_fp8_moe_equals_single_device(n):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_expert_parallel_drops_out_of_range_ids_under_jit(n):
+    # ids the op cannot check (traced) outside [0, E) contribute nothing on one device; the
+    # dispatch must neither wrap -1 onto the last device's last expert nor misplace rows.
+    rng = np.random.default_rng(30 + n)
+    t, d, e, i, k = 16, 16, 8, 8, 3
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 4, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, i, d)) / 4, jnp.float32)
+    ids = np.argsort(rng.standard_normal((t, e)), axis=1)[:, :k].astype(np.int32)
+    ids[0, 0], ids[5, 2], ids[9, 1], ids[15, 0] = -1, e, 1 << 30, -7
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+    ref = jax.jit(lambda *a: ops.moe_experts(*a, limit=1.0))(x, ids, w, w1, w2)
+    keep = (ids >= 0) & (ids < e)
+    swapped = ids.copy()  # each bad slot -> an expert its token does not use, with weight 0
+    for tok, slot in zip(*np.nonzero(~keep)):
+        swapped[tok, slot] = min(set(range(e)) - set(swapped[tok].tolist()))
+    ref_valid_only = ops.moe_experts(x, swapped, jnp.where(keep, w, 0.0), w1, w2, limit=1.0)
+    assert rel_err(ref, ref_valid_only) < 1e-6  # what "contribute nothing" means
+    mesh = parallel.make_mesh(expert=n)
+    out = jax.jit(lambda *a: parallel.moe_experts_ep(*a, mesh=mesh, limit=1.0))(x, ids, w, w1, w2)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_parallel_hands_rows_to_the_kernel_as_one_slot_tokens(monkeypatch, fp8):
+    # Where the CUDA kernels run, each device's received rows (padding rows with id -1
+    # included) go through the kernel's contract as tokens with one slot of weight 1. Here
+    # that contract is played by the reference the GPU tests hold the kernel to, so the
+    # result must still equal one device, and the stand-in must have been called.
+    from jax_dspark import _ffi
+    from jax_dspark.ops import _moe_kernels, moe_fp8
+
+    rng = np.random.default_rng(20 + fp8)
+    t, d, e, i, k, n = 16, 128, 8, 128, 2, 4
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 8, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, i, d)) / 8, jnp.float32)
+    if fp8:
+        w1, w2 = ops.quantize_expert_weights(w1, w2)
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[:, :2] += 3.0  # skewed: padding rows in most send buffers
+    w, ids = ops.topk_route(ops.router_scores(jnp.asarray(logits)), k)
+    ref = ops.moe_experts(x, ids, w, w1, w2, limit=2.0)
+
+    name = "moe_experts_fp8" if fp8 else "moe_experts"
+    contract = moe_fp8.moe_experts_fp8_reference if fp8 else ops.moe_experts_reference
+    calls = []
+
+    def stand_in(x, ids, weights, w_gate_up, w_down, *, limit=None):
+        calls.append((x.shape, ids.shape))
+        assert ids.shape == (x.shape[0], 1) and weights.shape == (x.shape[0], 1)
+        return contract(x, ids, weights, w_gate_up, w_down, limit=limit)
+
+    real_use_kernel = _ffi.use_kernel
+    monkeypatch.setattr(_ffi, "use_kernel", lambda kernel: kernel == name or real_use_kernel(kernel))
+    monkeypatch.setattr(_moe_kernels, name, stand_in)
+    out = parallel.moe_experts_ep(x, ids, w, w1, w2, mesh=parallel.make_mesh(expert=n), limit=2.0)
+    assert calls == [((n * (t // n) * k, d), (n * (t // n) * k, 1))]  # one trace: all n rows buffers
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_expert_parallel_rejects_mixed_fp8_and_bf16_weights():
     mesh = parallel.make_mesh(expert=2)
     w1, w2 = ops.quantize_expert_weights(jnp.ones((2, 128, 256)), jnp.ones((2, 128, 128)))
