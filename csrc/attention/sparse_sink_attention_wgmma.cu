@@ -172,6 +172,110 @@ __device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row
   }
 }
 
+// The tile math both instantiations share. Fragment layout (m64nN accumulator, per thread):
+// sc[4j + e] is head row 16w + g + 8 (e >> 1), key key0 + 8j + 2 q4 + (e & 1).
+
+// S = Q K^T over D for the kN keys whose rows start at k_base: 32 steps of k16, both
+// operands from shared memory (a short tile: its first 16 keys only).
+template <int kN, bool kShort>
+__device__ __forceinline__ void s_tile(float (&sc)[kN / 2], uint32_t q_base, uint32_t k_base) {
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) sc[i] = 0.f;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;  // column block, k16 within it
+    const uint64_t da = gmma_desc_sw128(q_base + k_off, 16, 1024);
+    const uint64_t db = gmma_desc_sw128(k_base + k_off, 16, 1024);
+    if constexpr (kShort)
+      wgmma_m64n16k16_ss(sc, da, db, ks > 0);
+    else if constexpr (kN == 64)
+      wgmma_m64n64k16_ss(sc, da, db, ks > 0);
+    else
+      wgmma_m64n32k16_ss(sc, da, db, ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) reg_fence(sc[i]);
+}
+
+// Scores to log2 units, masked keys to -inf (in place), and the maxima of this thread's two
+// rows over the keys of its quad.
+template <int kJ>
+__device__ __forceinline__ void masked_row_max(float (&sc)[4 * kJ], const uint8_t* s_valid, int key0, int q4, float sl2,
+                                               float (&mx)[2]) {
+  mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + 8 * j + 2 * q4 + (e & 1);
+      const float x = s_valid[key] ? sc[4 * j + e] * sl2 : -INFINITY;
+      sc[4 * j + e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+  }
+}
+
+// The running max after a tile whose row maxima are mx: the offset mu the tile's P uses
+// (0 while a row has seen no key) and alpha = exp2(old max - mu) for what came before.
+__device__ __forceinline__ void advance_max(float (&m_run)[2], const float (&mx)[2], float (&mu)[2],
+                                            float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float m_new = fmaxf(m_run[i], mx[i]);
+    mu[i] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[i] = exp2f(m_run[i] - mu[i]);
+    m_run[i] = m_new;
+  }
+}
+
+// P = exp2(score - mu) as the A operand of O += P V: k16 step ks covers the accumulator
+// blocks j = 2 ks (a0: row g, a1: row g + 8) and 2 ks + 1 (a2, a3); rs gets the row sums.
+template <int kJ>
+__device__ __forceinline__ void p_fragments(const float (&sc)[4 * kJ], const float (&mu)[2], uint32_t (&pa)[kJ / 2][4],
+                                            float (&rs)[2]) {
+  rs[0] = rs[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    float pv[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pv[e] = exp2f(sc[4 * j + e] - mu[e >> 1]);
+      rs[e >> 1] += pv[e];
+    }
+    pa[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
+    pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
+  }
+}
+
+// O[:, 256c .. 256c + 255] += P V: kSteps k16 steps over the tile's keys, V columns of
+// warpgroup c from v_base (the tile's column block 4c).
+template <int kSteps>
+__device__ __forceinline__ void pv_tile(float (&o)[32][4], const uint32_t (&pa)[4][4], uint32_t v_base) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    const uint64_t dv = gmma_desc_sw128(v_base + ks * 16 * 128, kBlockBytes, 1024);
+    wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    reg_fence(o[n][0]);
+    reg_fence(o[n][1]);
+    reg_fence(o[n][2]);
+    reg_fence(o[n][3]);
+  }
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -256,82 +360,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     const int tile_rows = min(BK, key_end - (key_begin + t * BK));
     auto tile_math = [&](auto short_tile) {
       constexpr bool kShort = decltype(short_tile)::value;
-      // S = Q K^T over D: 32 steps of k16; warp w gets rows 16w .. 16w + 15.
+      // Each warpgroup: the whole S [64 x 64] (a row's 64 keys in the 4 threads of a quad).
       float sc[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) sc[i] = 0.f;
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;  // column block, k16 within it
-        const uint64_t da = gmma_desc_sw128(q_base + k_off, 16, 1024);
-        const uint64_t db = gmma_desc_sw128(kv_base + k_off, 16, 1024);
-        if constexpr (kShort)
-          wgmma_m64n16k16_ss(sc, da, db, ks > 0);
-        else
-          wgmma_m64n64k16_ss(sc, da, db, ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) reg_fence(sc[i]);
-
-      // Online softmax: sc[4j + e] is row 16w + g + 8 (e >> 1), key 8j + 2 q4 + (e & 1); a
-      // row's 64 keys live in the 4 threads of a quad.
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = 8 * j + 2 * q4 + (e & 1);
-          const float x = s_valid[key] ? sc[4 * j + e] * sl2 : -INFINITY;
-          sc[4 * j + e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-      }
-      float alpha[2], mu[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        const float m_new = fmaxf(m_run[i], mx[i]);
-        mu[i] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[i] = exp2f(m_run[i] - mu[i]);
-        m_run[i] = m_new;
-      }
-      // P as the A operand of O += P V: k-step ks covers keys 16 ks .. 16 ks + 15, i.e. the
-      // accumulator blocks j = 2 ks (a0: row g, a1: row g + 8) and 2 ks + 1 (a2, a3).
+      s_tile<64, kShort>(sc, q_base, kv_base);
+      float mx[2], alpha[2], mu[2], rs[2];
+      masked_row_max<8>(sc, s_valid, 0, q4, sl2, mx);
+      advance_max(m_run, mx, mu, alpha);
       uint32_t pa[4][4];
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float pv[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pv[e] = exp2f(sc[4 * j + e] - mu[e >> 1]);
-          rs[e >> 1] += pv[e];
-        }
-        pa[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
-        pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
-      }
+      p_fragments<8>(sc, mu, pa, rs);
       rescale_rows(o, l_run, alpha, rs);
-
-      // O[:, 256c .. 256c + 255] += P V: 4 steps of k16 over the tile's keys (1 for a short tile).
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < (kShort ? 1 : BK / 16); ++ks) {
-        const uint64_t dv = gmma_desc_sw128(kv_base + c * 4 * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
-        wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        reg_fence(o[n][0]);
-        reg_fence(o[n][1]);
-        reg_fence(o[n][2]);
-        reg_fence(o[n][3]);
-      }
+      pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);
     };
     // bf16 pools: S split between the warpgroups (warpgroup c: keys 32c .. 32c + 31 of the
     // tile), no duplicated tensor work. The two warps that own heads 16w .. 16w + 15 (warp w
@@ -342,68 +380,19 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     auto tile_math_split = [&](auto short_tile) {
       constexpr bool kShort = decltype(short_tile)::value;
       float sc[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) sc[i] = 0.f;
-      const uint32_t k_base = kv_base + c * 32 * 128;  // row 32c of every column block (1024-aligned)
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-        const uint64_t da = gmma_desc_sw128(q_base + k_off, 16, 1024);
-        const uint64_t db = gmma_desc_sw128(k_base + k_off, 16, 1024);
-        if constexpr (kShort)
-          wgmma_m64n16k16_ss(sc, da, db, ks > 0);
-        else
-          wgmma_m64n32k16_ss(sc, da, db, ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
-
-      // sc[4j + e]: row 16w + g + 8 (e >> 1), key 32c + 8j + 2 q4 + (e & 1).
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = 32 * c + 8 * j + 2 * q4 + (e & 1);
-          const float x = s_valid[key] ? sc[4 * j + e] * sl2 : -INFINITY;
-          sc[4 * j + e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-      }
+      s_tile<32, kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
+      float mx[2], alpha[2], mu[2], rs[2];
+      masked_row_max<4>(sc, s_valid, 32 * c, q4, sl2, mx);
       float* xrow = reinterpret_cast<float*>(smem + kOffXRow);  // [warpgroup][head row]
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      for (int i = 0; i < 2; ++i)
         if (q4 == 0) xrow[c * BM + 16 * w + g + 8 * i] = mx[i];
-      }
       named_barrier_sync(1 + w, 64);
-      float alpha[2], mu[2];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], xrow[(1 - c) * BM + 16 * w + g + 8 * i]);
-        const float m_new = fmaxf(m_run[i], mx[i]);
-        mu[i] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[i] = exp2f(m_run[i] - mu[i]);
-        m_run[i] = m_new;
-      }
-      // This half's P as two k16 A fragments (keys 32c + 16 kk ..): pown[kk].
-      uint32_t pown[2][4];
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float pv[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pv[e] = exp2f(sc[4 * j + e] - mu[e >> 1]);
-          rs[e >> 1] += pv[e];
-        }
-        pown[j >> 1][(j & 1) * 2] = pack_bf16x2(pv[0], pv[1]);
-        pown[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(pv[2], pv[3]);
-      }
+      for (int i = 0; i < 2; ++i) mx[i] = fmaxf(mx[i], xrow[(1 - c) * BM + 16 * w + g + 8 * i]);
+      advance_max(m_run, mx, mu, alpha);
+      uint32_t pown[2][4];  // this half's P as two k16 A fragments (keys 32c + 16 kk ..)
+      p_fragments<4>(sc, mu, pown, rs);
       uint4* xp = reinterpret_cast<uint4*>(smem + kOffXP);  // [k16 step of the half][thread]
       xp[tid] = make_uint4(pown[0][0], pown[0][1], pown[0][2], pown[0][3]);
       xp[kThreads + tid] = make_uint4(pown[1][0], pown[1][1], pown[1][2], pown[1][3]);
@@ -417,23 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
       for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
         for (int r = 0; r < 4; ++r) pa[ks][r] = ((ks >> 1) == c) ? pown[ks & 1][r] : poth[ks & 1][r];
-
-      // O[:, 256c .. 256c + 255] += P V over the tile's 64 keys (a short tile: its first 16).
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < (kShort ? 1 : BK / 16); ++ks) {
-        const uint64_t dv = gmma_desc_sw128(kv_base + c * 4 * kBlockBytes + ks * 16 * 128, kBlockBytes, 1024);
-        wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        reg_fence(o[n][0]);
-        reg_fence(o[n][1]);
-        reg_fence(o[n][2]);
-        reg_fence(o[n][3]);
-      }
+      pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);  // all 64 keys (a short tile: its first 16)
     };
     if constexpr (kFp8) {
       if (tile_rows <= 16)
