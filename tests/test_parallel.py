@@ -35,17 +35,27 @@ def test_rules_place_matching_leaves_and_reject_indivisible_dims():
         rules.apply({"attn": {"w": jnp.ones((3, 6))}}, mesh)
 
 
+def _tokens_and_experts(rng, t, d, e, i, scale):
+    """f32 tokens `[t, d]` and experts `w_gate_up [e, d, 2i]`, `w_down [e, i, d]` (/ scale)."""
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((e, d, 2 * i)) / scale, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((e, i, d)) / scale, jnp.float32)
+    return x, w1, w2
+
+
+def _skewed_routing(rng, t, e, k, hot):
+    """Top-k routing whose first `hot` experts get +3 logits: one device gets most rows."""
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[:, :hot] += 3.0
+    return ops.topk_route(ops.router_scores(jnp.asarray(logits)), k)
+
+
 @pytest.mark.parametrize("n", [2, 8])
 def test_expert_parallel_moe_equals_single_device(n):
     rng = np.random.default_rng(n)
     t, d, e, i, k = 32, 16, 16, 8, 3
-    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 4, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, i, d)) / 4, jnp.float32)
-    # skew the router so some devices receive far more rows than others
-    logits = rng.standard_normal((t, e)).astype(np.float32)
-    logits[:, :3] += 3.0
-    w, ids = ops.topk_route(ops.router_scores(jnp.asarray(logits)), k)
+    x, w1, w2 = _tokens_and_experts(rng, t, d, e, i, 4)
+    w, ids = _skewed_routing(rng, t, e, k, 3)  # some devices receive far more rows than others
     ref = ops.moe_experts(x, ids, w, w1, w2, limit=1.0)
     mesh = parallel.make_mesh(expert=n)
     out = jax.jit(lambda *a: parallel.moe_experts_ep(*a, mesh=mesh, limit=1.0))(x, ids, w, w1, w2)
@@ -59,14 +69,9 @@ def test_expert_parallel_fp8_moe_equals_single_device(n):
     # every shard; each row meets the same arithmetic as on one device.
     rng = np.random.default_rng(10 + n)
     t, d, e, i, k = 13, 128, 8, 128, 2
-    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-    w1, w2 = ops.quantize_expert_weights(
-        jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 8, jnp.float32),
-        jnp.asarray(rng.standard_normal((e, i, d)) / 8, jnp.float32),
-    )
-    logits = rng.standard_normal((t, e)).astype(np.float32)
-    logits[:, :2] += 3.0  # skewed: the first device gets most rows
-    w, ids = ops.topk_route(ops.router_scores(jnp.asarray(logits)), k)
+    x, w1, w2 = _tokens_and_experts(rng, t, d, e, i, 8)
+    w1, w2 = ops.quantize_expert_weights(w1, w2)
+    w, ids = _skewed_routing(rng, t, e, k, 2)
     ref = ops.moe_experts(x, ids, w, w1, w2, limit=2.0)
     mesh = parallel.make_mesh(expert=n)
     with ops.expert_parallel(mesh):
@@ -81,9 +86,7 @@ def test_expert_parallel_drops_out_of_range_ids_under_jit(n):
     # dispatch must neither wrap -1 onto the last device's last expert nor misplace rows.
     rng = np.random.default_rng(30 + n)
     t, d, e, i, k = 16, 16, 8, 8, 3
-    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 4, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, i, d)) / 4, jnp.float32)
+    x, w1, w2 = _tokens_and_experts(rng, t, d, e, i, 4)
     ids = np.argsort(rng.standard_normal((t, e)), axis=1)[:, :k].astype(np.int32)
     ids[0, 0], ids[5, 2], ids[9, 1], ids[15, 0] = -1, e, 1 << 30, -7
     w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
@@ -110,14 +113,10 @@ def test_expert_parallel_hands_rows_to_the_kernel_as_one_slot_tokens(monkeypatch
 
     rng = np.random.default_rng(20 + fp8)
     t, d, e, i, k, n = 16, 128, 8, 128, 2, 4
-    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((e, d, 2 * i)) / 8, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, i, d)) / 8, jnp.float32)
+    x, w1, w2 = _tokens_and_experts(rng, t, d, e, i, 8)
     if fp8:
         w1, w2 = ops.quantize_expert_weights(w1, w2)
-    logits = rng.standard_normal((t, e)).astype(np.float32)
-    logits[:, :2] += 3.0  # skewed: padding rows in most send buffers
-    w, ids = ops.topk_route(ops.router_scores(jnp.asarray(logits)), k)
+    w, ids = _skewed_routing(rng, t, e, k, 2)  # padding rows in most send buffers
     ref = ops.moe_experts(x, ids, w, w1, w2, limit=2.0)
 
     name = "moe_experts_fp8" if fp8 else "moe_experts"
