@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_dspark import ops
+from jax_dspark import _ffi, ops
+from jax_dspark.ops import _moe_kernels
 from jax_dspark.ops.moe import expert_rows
 from jax_dspark.ops.moe_fp8 import Fp8Weight, fp8_expert_rows
 
@@ -230,9 +231,6 @@ def shard_expert_rows(fp8: bool):
     dispatch buffer's padding) give zero rows, as in the reference. Elsewhere the pure-JAX
     grouped matmul (`expert_rows` / `fp8_expert_rows`, f32 rows).
     """
-    from jax_dspark import _ffi
-    from jax_dspark.ops import _moe_kernels
-
     if not _ffi.use_kernel("moe_experts_fp8" if fp8 else "moe_experts"):
         return fp8_expert_rows if fp8 else expert_rows
     kernel = _moe_kernels.moe_experts_fp8 if fp8 else _moe_kernels.moe_experts
