@@ -18,7 +18,7 @@
 //     8-key groups). This is the layout dense Hopper GEMMs feed wgmma from; the first
 //     version used the no-swizzle layout, whose core matrices of one k16 slice lie 1 KB
 //     apart on the same banks (docs/kernels.md compares the two);
-//   * bf16 pools: warpgroup c computes S for keys 32c .. 32c + 31 of the tile (m64n32k16,
+//   * warpgroup c computes S for keys 32c .. 32c + 31 of the tile (m64n32k16,
 //     both operands from shared memory, 32 steps over D); warp w of each warpgroup holds
 //     heads 16w .. 16w + 15, and the two warps with the same w swap their row maxima and
 //     then their P fragments through 8.5 KB of shared memory, each swap under a named
@@ -27,20 +27,21 @@
 //     columns (m64n256k16, 4 steps over the keys): warpgroup c owns output dims
 //     256c .. 256c + 255. Both use the same running max, so O and the row sums rescale
 //     alike; the halves' row sums are added in the epilogue. Tensor work is the minimum
-//     (S once, P V once), against 1.5x when each warpgroup computed the whole S;
-//   * FP8 pools still compute the whole S [64 x 64] in each warpgroup (m64n64k16): their
-//     staging rows leave no shared memory for the swap (227 KB per CTA).
+//     (S once, P V once), against 1.5x when each warpgroup computed the whole S.
 // Split-K partials and the epilogue are the mma.sync kernel's (attention/common.cuh).
 //
 // FP8 pools (params.h: 448 e4m3 + 64 bf16 RoPE dims + UE8M0 scales per row), second
-// instantiation: the thread that owns a row's chunks copies its 8-byte e4m3 chunks into a
-// staging row (cp.async 8 B), its RoPE chunks straight into the tile (cp.async 16 B) and the
-// row's 8 scale bytes into registers; one iteration later, before the tile is used, the same
-// thread expands its own chunks to bf16 in the tile (exact, as in the mma.sync kernel), so
-// the staging row needs no barrier of its own and the MMA pipeline is unchanged. Status:
-// validated on the H200 (2026-12-03); the default kernel for both pool kinds, 1.1-1.9x faster
-// than the mma.sync kernel (docs/benchmarks/attention.md). The bf16 split of S: kernel_driver
-// edge cases and memcheck on the H200, 1.06-1.18x over the duplicated S (docs/kernels.md).
+// instantiation: the thread that owns a row's chunks copies its 8-byte e4m3 chunks into the
+// tile in place, two to each of its first seven 16-byte bf16 chunk slots (cp.async 8 B),
+// its RoPE chunks straight into the tile (cp.async 16 B) and the row's 8 scale bytes into
+// registers; one iteration later, before the tile is used, the same thread reads its 14
+// staged chunks into registers and writes them back expanded to bf16 (exact, as in the
+// mma.sync kernel). No staging rows (which took the 28 KB the split S now uses) and no
+// barrier of its own. Status: the kernel with the whole S in each warpgroup was validated
+// on the H200 (2026-12-03) and is the default for both pool kinds, 1.1-1.9x faster than the
+// mma.sync kernel (docs/benchmarks/attention.md); the split S for bf16 pools was checked
+// there by kernel_driver (edge cases, memcheck; 1.06-1.18x, docs/kernels.md); the in-place
+// FP8 staging and the split S for FP8 pools are compiled only (branch wgmma-fp8-inplace).
 #include <cuda_bf16.h>
 
 #include <cfloat>
@@ -66,20 +67,14 @@ constexpr int kChunksPerThread = kChunks / 4;  // 4 threads per row
 constexpr int kOffQ = 0;
 constexpr int kOffKV = kTileBytes;
 constexpr int kOffValid = kOffKV + 2 * kTileBytes;
-constexpr int kSmemBytes = kOffValid + 2 * BK;
-// bf16 instantiation (split S): the row maxima and sums one warpgroup hands the other
+// The swap area of the split S: the row maxima and sums one warpgroup hands the other
 // ([2][64] floats) and each thread's P fragments of its 32 keys (8 words) for its partner
-// thread tid ^ 128. Not in the FP8 instantiation: its staging rows leave no room.
-constexpr int kOffXRow = kSmemBytes;
+// thread tid ^ 128.
+constexpr int kOffXRow = kOffValid + 2 * BK;
 constexpr int kOffXP = kOffXRow + 2 * BM * 4;
-constexpr int kSmemBytesBf16 = kOffXP + kThreads * 32;
-static_assert(kOffXP % 16 == 0 && kSmemBytesBf16 <= 227 * 1024, "exchange area: uint4 stores, one CTA's budget");
-// FP8 instantiation: one staging row of e4m3 bytes per tile row (the tile in flight).
-constexpr int kNopeChunks = kAttnNopeDim / 8;  // 8-dim chunks held as e4m3 (56)
-constexpr int kOffStaging = kSmemBytes;
-constexpr int kSmemBytesFp8 = kOffStaging + BK * kAttnNopeDim;
-static_assert(kOffStaging % 16 == 0 && kAttnNopeDim % 16 == 0, "staging rows keep 8-byte cp.async alignment");
-static_assert(kSmemBytesFp8 <= 227 * 1024, "shared memory budget of one H100/H200 CTA (FP8)");
+constexpr int kSmemBytes = kOffXP + kThreads * 32;
+constexpr int kNopeChunks = kAttnNopeDim / 8;  // FP8 rows: 8-dim chunks held as e4m3 (56)
+static_assert(kOffXP % 16 == 0, "swap area: uint4 stores");
 static_assert(kNopeChunks % 4 == 0 && kNopeChunks / 4 == 14, "each thread holds 14 nope + 2 RoPE chunks of its row");
 static_assert(kAttnScaleBlock == 64, "expand_fp8_row: chunk i of a thread uses scale block i / 2");
 static_assert(BM == 64 && BK == 64, "one row per 4 threads, 64 rows per tile and per Q block");
@@ -91,6 +86,14 @@ static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 C
 // apart), and 16-byte chunk j of row r sits at chunk j ^ (r % 8) of its row.
 __device__ __forceinline__ uint32_t chunk_offset(int row, int chunk) {
   return (chunk >> 3) * kBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// Where an FP8 row's e4m3 chunk i (of the 14 nope chunks phase + 4i a thread owns) waits
+// for its expansion: the front half or back half of the thread's own bf16 chunk
+// phase + 4 (i / 2) in the tile. The expansion reads all 14 before it writes any bf16
+// chunk, and no other thread touches these bytes, so staging in place needs no barrier.
+__device__ __forceinline__ uint32_t staged_fp8_offset(int row, int phase, int i) {
+  return chunk_offset(row, phase + 4 * (i >> 1)) + 8 * (i & 1);
 }
 
 // Index of row `row` of tile t in the concatenated [main | extra] list (-1 past the split).
@@ -110,7 +113,8 @@ struct IssuedRow {
 
 // This thread's share of tile t: 16 chunks of row `row` into stage t % 2, or zeros when the
 // row is masked (so a zero probability never meets stale NaN bytes). An FP8 row's 14 nope
-// chunks go to the staging row instead (expand_fp8_row turns them into bf16 later).
+// chunks (8 bytes each) are staged in place (staged_fp8_offset; expand_fp8_row turns them
+// into bf16 later).
 template <bool kFp8>
 __device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
                                                  int key_begin, int key_end, int row, int phase, int idx) {
@@ -137,11 +141,10 @@ __device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams
     const uint8_t* nope = static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(idx) * kAttnNopeDim;
     const uint8_t* rope =
         static_cast<const uint8_t*>(in_main ? p.main_rope : p.extra_rope) + int64_t(idx) * (2 * kAttnRopeDim);
-    uint8_t* staging = smem + kOffStaging + row * kAttnNopeDim;
 #pragma unroll
     for (int i = 0; i < kNopeChunks / 4; ++i) {
       const int chunk = phase + 4 * i;
-      cp_async_8(smem_addr(staging + chunk * 8), nope + chunk * 8);
+      cp_async_8(smem_addr(base + staged_fp8_offset(row, phase, i)), nope + chunk * 8);
     }
 #pragma unroll
     for (int i = kNopeChunks / 4; i < kChunksPerThread; ++i) {
@@ -155,17 +158,24 @@ __device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams
   return issued;
 }
 
-// The issuing thread's 14 nope chunks of its FP8 row: staging (e4m3) -> tile (bf16).
+// The issuing thread's 14 nope chunks of its FP8 row, staged in place (e4m3) -> tile (bf16):
+// all 14 into registers first, since expanding chunk i overwrites where chunks 2i, 2i + 1 wait.
 __device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row, int phase, uint2 scale) {
-  const uint8_t* staging = smem + kOffStaging + row * kAttnNopeDim;
   uint8_t* base = smem + kOffKV + stage * kTileBytes;
+  uint2 staged[kNopeChunks / 4];
+#pragma unroll
+  for (int i = 0; i < kNopeChunks / 8; ++i) {
+    const uint4 v = *reinterpret_cast<const uint4*>(base + chunk_offset(row, phase + 4 * i));
+    staged[2 * i] = make_uint2(v.x, v.y);
+    staged[2 * i + 1] = make_uint2(v.z, v.w);
+  }
 #pragma unroll
   for (int i = 0; i < kNopeChunks / 4; ++i) {
     const int chunk = phase + 4 * i;
     const int block = i >> 1;  // (phase + 4 i) * 8 dims / 64 per scale = i / 2, as phase < 4
     const uint32_t byte = ((block < 4 ? scale.x : scale.y) >> (8 * (block & 3))) & 0xFFu;
     const float sc = ue8m0_scale(byte);
-    const uint2 v = *reinterpret_cast<const uint2*>(staging + chunk * 8);
+    const uint2 v = staged[i];
     *reinterpret_cast<uint4*>(base + chunk_offset(row, chunk)) =
         make_uint4(e4m3x2_to_bf16x2(v.x, sc), e4m3x2_to_bf16x2(v.x >> 16, sc), e4m3x2_to_bf16x2(v.y, sc),
                    e4m3x2_to_bf16x2(v.y >> 16, sc));
@@ -179,6 +189,7 @@ __device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row
 // operands from shared memory (a short tile: its first 16 keys only).
 template <int kN, bool kShort>
 __device__ __forceinline__ void s_tile(float (&sc)[kN / 2], uint32_t q_base, uint32_t k_base) {
+  static_assert(kN == 32, "each warpgroup computes S for its 32 keys of the tile");
 #pragma unroll
   for (int i = 0; i < kN / 2; ++i) sc[i] = 0.f;
   wgmma_fence();
@@ -189,8 +200,6 @@ __device__ __forceinline__ void s_tile(float (&sc)[kN / 2], uint32_t q_base, uin
     const uint64_t db = gmma_desc_sw128(k_base + k_off, 16, 1024);
     if constexpr (kShort)
       wgmma_m64n16k16_ss(sc, da, db, ks > 0);
-    else if constexpr (kN == 64)
-      wgmma_m64n64k16_ss(sc, da, db, ks > 0);
     else
       wgmma_m64n32k16_ss(sc, da, db, ks > 0);
   }
@@ -353,31 +362,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     const uint8_t* s_valid = smem + kOffValid + stage * BK;
 
     // A short tile (at most 16 rows of the list: the last one of a DSpark block's 133 rows,
-    // say) computes 16 columns of S and one k16 step of P V. Exact: the other columns are
-    // masked (probability 0) and their V rows zero-filled, so they would only add +0. Two
-    // instantiations of the tile's math rather than branches inside one: ptxas serialises
-    // every wgmma of a kernel whose pipeline stages contain a branch.
+    // say) computes 16 columns of each half of S and one k16 step of P V. Exact: the other
+    // columns are masked (probability 0) and their V rows zero-filled, so they would only
+    // add +0. Two instantiations of the tile's math rather than branches inside one: ptxas
+    // serialises every wgmma of a kernel whose pipeline stages contain a branch.
     const int tile_rows = min(BK, key_end - (key_begin + t * BK));
-    auto tile_math = [&](auto short_tile) {
-      constexpr bool kShort = decltype(short_tile)::value;
-      // Each warpgroup: the whole S [64 x 64] (a row's 64 keys in the 4 threads of a quad).
-      float sc[32];
-      s_tile<64, kShort>(sc, q_base, kv_base);
-      float mx[2], alpha[2], mu[2], rs[2];
-      masked_row_max<8>(sc, s_valid, 0, q4, sl2, mx);
-      advance_max(m_run, mx, mu, alpha);
-      uint32_t pa[4][4];
-      p_fragments<8>(sc, mu, pa, rs);
-      rescale_rows(o, l_run, alpha, rs);
-      pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);
-    };
-    // bf16 pools: S split between the warpgroups (warpgroup c: keys 32c .. 32c + 31 of the
-    // tile), no duplicated tensor work. The two warps that own heads 16w .. 16w + 15 (warp w
+    // S split between the warpgroups (warpgroup c: keys 32c .. 32c + 31 of the tile), no
+    // duplicated tensor work. The two warps that own heads 16w .. 16w + 15 (warp w
     // of each warpgroup) swap row maxima, then P fragments, through shared memory under a
     // named barrier of their 64 threads; thread tid's partner is tid ^ 128, which holds the
     // same rows and key offsets of the other half. Both warpgroups then use the same running
     // max, so O and the row sums rescale alike; the sums stay per half until the epilogue.
-    auto tile_math_split = [&](auto short_tile) {
+    auto tile_math = [&](auto short_tile) {
       constexpr bool kShort = decltype(short_tile)::value;
       float sc[16];
       s_tile<32, kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
@@ -408,22 +404,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
         for (int r = 0; r < 4; ++r) pa[ks][r] = ((ks >> 1) == c) ? pown[ks & 1][r] : poth[ks & 1][r];
       pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);  // all 64 keys (a short tile: its first 16)
     };
-    if constexpr (kFp8) {
-      if (tile_rows <= 16)
-        tile_math(std::true_type{});
-      else
-        tile_math(std::false_type{});
-    } else {
-      if (tile_rows <= 16)
-        tile_math_split(std::true_type{});
-      else
-        tile_math_split(std::false_type{});
-    }
+    if (tile_rows <= 16)
+      tile_math(std::true_type{});
+    else
+      tile_math(std::false_type{});
     __syncthreads();  // every warpgroup is done with this stage (and the exchange area) before reuse
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
-  // Epilogue: quad sums (bf16: plus the other half's, through the exchange area); both
+  // Epilogue: quad sums plus the other half's (through the swap area); both
   // warpgroups hold whole rows, warpgroup 0 stores the lse.
   float lsum[2];
 #pragma unroll
@@ -432,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 1);
     lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 2);
   }
-  if constexpr (!kFp8) {
+  {
     float* xrow = reinterpret_cast<float*>(smem + kOffXRow);
     if (q4 == 0) {
       xrow[c * BM + 16 * w + g] = lsum[0];
@@ -455,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 template <bool kFp8>
 cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return launch_attention_grid<sparse_sink_attention_wgmma_kernel<kFp8>>(p, kThreads,
-                                                                         kFp8 ? kSmemBytesFp8 : kSmemBytesBf16, stream);
+                                                                         kSmemBytes, stream);
 }
 
 }  // namespace
