@@ -334,29 +334,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 
   for (int t = 0; t < ntiles; ++t) {
     const int stage = t & 1;
+    // One CTA barrier per tile. Before it: this thread's copies of tile t (the only group in
+    // flight) have landed and its FP8 row is expanded. After it: every warp is past tile
+    // t - 1's math (its wgmmas waited for, its swap-area reads done), so tile t + 1 may be
+    // gathered into the other stage while tile t is computed.
+    cp_async_wait<0>();
     if constexpr (kFp8) {
-      // Tile t must land before its FP8 rows are expanded, and the staging row is refilled
-      // only after this thread has expanded it, so here tile t + 1 is issued after the wait.
-      cp_async_wait<0>();
       if (in_flight.fp8) expand_fp8_row(smem, stage, row, phase, in_flight.scale);
-      in_flight = IssuedRow{false, make_uint2(0u, 0u)};
-      if (t + 1 < ntiles) {
-        in_flight = gather_tile<kFp8>(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
-        if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
-      }
-      cp_async_commit();
-    } else {
-      // Tile t + 1 into the other stage (last read in iteration t - 1, which ended with a
-      // barrier after every warpgroup's wgmma had completed), and the index one tile further.
-      if (t + 1 < ntiles) {
-        gather_tile<kFp8>(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
-        if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
-      }
-      cp_async_commit();   // possibly empty: one group per iteration keeps the count uniform
-      cp_async_wait<1>();  // this thread's copies of tile t (and of Q) have landed
     }
     fence_proxy_async_smem();  // its plain and cp.async stores, before wgmma reads them
     __syncthreads();
+    in_flight = IssuedRow{false, make_uint2(0u, 0u)};
+    if (t + 1 < ntiles) {
+      in_flight = gather_tile<kFp8>(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
+      if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
+    }
+    cp_async_commit();
 
     const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
     const uint8_t* s_valid = smem + kOffValid + stage * BK;
@@ -408,7 +401,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
       tile_math(std::true_type{});
     else
       tile_math(std::false_type{});
-    __syncthreads();  // every warpgroup is done with this stage (and the exchange area) before reuse
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
