@@ -158,7 +158,7 @@ ATTENTION_KERNELS = {
 }
 # What "auto" (the default) picks, by whether a pool holds FP8 rows: the faster kernel of
 # each kind on the H200 (docs/benchmarks/attention.md, both kernels timed in one run at
-# 4380827: wgmma is 1.2-1.4x faster than mma.sync on bf16 pools and 1.1-1.9x on FP8 pools).
+# 6e48b89: wgmma is 1.2-1.6x faster than mma.sync on bf16 pools and 1.5-2.0x on FP8 pools).
 AUTO_ATTENTION_KERNEL = {False: "wgmma", True: "wgmma"}
 
 
