@@ -138,7 +138,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
             print(row, flush=True)
     result = dict(
         gpu=timing.gpu_name(), commit=report.commit_id(commit), date=report.today(),
-        copy_TBps=round(copy, 3), gemm_bf16_TFLOPs=round(gemm, 1),
+        copy_TBps=round(copy, 3), gemm_bf16_TFLOPs=round(gemm, 1), launch=timing.launch_mode(),
         targets=dict(
             memory_bound_fraction_of_copy=TARGET_MEMORY_FRACTION,
             compute_bound_fraction_of_gemm=TARGET_COMPUTE_FRACTION,
@@ -171,6 +171,7 @@ def write(result: dict, json_path: str, extra_notes: tuple[str, ...] = ()) -> st
         f"a case is memory-bound when its FLOP/byte is under the measured ridge ({result['targets']['ridge_flop_per_byte']:.0f}).",
         "default: the kernel `ops.sparse_sink_attention` calls for this pool kind unless told otherwise "
         "(`JAX_DSPARK_ATTENTION_KERNEL`; `ops._kernels.AUTO_ATTENTION_KERNEL`).",
+        timing.launch_note(result.get("launch", "streams")),
         *extra_notes,
     ]
     return report.write(result, json_path, columns, "Sparse sink attention: XLA reference vs CUDA kernel", notes)

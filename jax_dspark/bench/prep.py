@@ -92,7 +92,7 @@ def run(json_path: str, commit: str | None = None, sets: int = 20, only: str | N
         print(row, flush=True)
     result = dict(
         gpu=timing.gpu_name(), commit=report.commit_id(commit), date=report.today(),
-        copy_TBps=round(copy, 3), gemm_bf16_TFLOPs=round(gemm, 1),
+        copy_TBps=round(copy, 3), gemm_bf16_TFLOPs=round(gemm, 1), launch=timing.launch_mode(),
         targets=dict(memory_bound_fraction_of_copy=TARGET_MEMORY_FRACTION, min_speedup_vs_xla=TARGET_SPEEDUP),
         cases=cases,
     )
@@ -107,6 +107,7 @@ def run(json_path: str, commit: str | None = None, sets: int = 20, only: str | N
         "kernel = the fused CUDA kernel through XLA FFI; same timing method as the attention benchmark.",
         "TB/s = (x bytes read + output bytes written) / kernel time; the kernel is memory-bound "
         f"(target >= {TARGET_MEMORY_FRACTION:.0%} of the copy bandwidth and >= {TARGET_SPEEDUP:g}x XLA).",
+        timing.launch_note(result["launch"]),
     ]
     print(report.write(result, json_path, columns, "RMSNorm + RoPE (+ FP8) prep: XLA composition vs CUDA kernel", notes))
     return result

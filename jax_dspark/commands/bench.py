@@ -21,10 +21,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2", help="round: the target")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="round: batch sizes")
     parser.add_argument("--repeats", type=int, default=30, help="round: timed rounds per case")
+    parser.add_argument("--command-buffers", action="store_true",
+                        help="attention, prep: time with XLA command buffers (CUDA graphs) for fusions and custom "
+                             "calls, reference and kernel alike; writes <what>_command_buffers.json")
 
 
 def run(args: argparse.Namespace) -> int:
     import jax
+
+    from jax_dspark.bench import timing
+
+    suffix = ""
+    if args.command_buffers:
+        if args.what not in ("attention", "prep"):
+            print(f"bench {args.what}: --command-buffers is for attention and prep only")
+            return 2
+        timing.enable_command_buffers()  # before the backend exists (jax.default_backend below)
+        suffix = "_command_buffers"
 
     if args.what == "round":
         from jax_dspark.bench import round as bench_round
@@ -35,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if jax.default_backend() != "gpu":
         print(f"bench {args.what}: needs a GPU backend (have {jax.default_backend()!r})")
         return 2
-    path = os.path.join(args.out, f"{args.what}.json")
+    path = os.path.join(args.out, f"{args.what}{suffix}.json")
     if args.what == "attention":
         from jax_dspark.bench import attention
 
