@@ -67,8 +67,8 @@ cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaSt
 
 // The same attention on Hopper wgmma (sparse_sink_attention_wgmma.cu), same contract,
 // workspace and split-K; its own FFI target, the default for bf16 and FP8 pools on sm_90
-// (jax_dspark/_ffi.py, AUTO_ATTENTION_KERNEL; JAX_DSPARK_ATTENTION_KERNEL=mma forces the
-// other), and kernel_driver --wgmma. Validated on the H200 (docs/kernels.md).
+// (jax_dspark/ops/_kernels.py, AUTO_ATTENTION_KERNEL; JAX_DSPARK_ATTENTION_KERNEL=mma
+// forces the other), and kernel_driver --wgmma. Validated on the H200 (docs/kernels.md).
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 }  // namespace jds

@@ -185,13 +185,12 @@ __device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row
 // The tile math both instantiations share. Fragment layout (m64nN accumulator, per thread):
 // sc[4j + e] is head row 16w + g + 8 (e >> 1), key key0 + 8j + 2 q4 + (e & 1).
 
-// S = Q K^T over D for the kN keys whose rows start at k_base: 32 steps of k16, both
-// operands from shared memory (a short tile: its first 16 keys only).
-template <int kN, bool kShort>
-__device__ __forceinline__ void s_tile(float (&sc)[kN / 2], uint32_t q_base, uint32_t k_base) {
-  static_assert(kN == 32, "each warpgroup computes S for its 32 keys of the tile");
+// S = Q K^T over D for the warpgroup's 32 keys, whose rows start at k_base: 32 steps of
+// k16, both operands from shared memory (a short tile: its first 16 keys only).
+template <bool kShort>
+__device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_t k_base) {
 #pragma unroll
-  for (int i = 0; i < kN / 2; ++i) sc[i] = 0.f;
+  for (int i = 0; i < 16; ++i) sc[i] = 0.f;
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
@@ -206,7 +205,7 @@ __device__ __forceinline__ void s_tile(float (&sc)[kN / 2], uint32_t q_base, uin
   wgmma_commit();
   wgmma_wait<0>();
 #pragma unroll
-  for (int i = 0; i < kN / 2; ++i) reg_fence(sc[i]);
+  for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
 }
 
 // Scores to log2 units, masked keys to -inf (in place), and the maxima of this thread's two
@@ -369,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     auto tile_math = [&](auto short_tile) {
       constexpr bool kShort = decltype(short_tile)::value;
       float sc[16];
-      s_tile<32, kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
+      s_tile<kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
       float mx[2], alpha[2], mu[2], rs[2];
       masked_row_max<4>(sc, s_valid, 32 * c, q4, sl2, mx);
       float* xrow = reinterpret_cast<float*>(smem + kOffXRow);  // [warpgroup][head row]

@@ -83,10 +83,9 @@ COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL", "-
 def enable_command_buffers() -> None:
     """Add `COMMAND_BUFFER_FLAGS` to XLA_FLAGS. XLA reads its flags once, when JAX creates
     its backends, so this must come first: afterwards it raises instead of doing nothing."""
-    from jax._src import xla_bridge  # no public way to ask; private, so looked up defensively
+    from jax._src import xla_bridge  # the only way to ask (no public API)
 
-    started = getattr(xla_bridge, "backends_are_initialized", lambda: bool(getattr(xla_bridge, "_backends", True)))
-    if started():
+    if xla_bridge.backends_are_initialized():
         raise RuntimeError("enable_command_buffers: JAX's backends are already initialised, so XLA_FLAGS "
                            "would be ignored; call it before the first JAX computation")
     flags = os.environ.get("XLA_FLAGS", "").split()

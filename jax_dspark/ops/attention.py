@@ -131,8 +131,8 @@ def _fp8_kernel_enabled() -> bool:
     (2026-12-03) a test process stalled for minutes in one of its FP8 tests, which pass in
     seconds otherwise (and passed in the later three runs); the cause is not settled and
     that kernel waits on mbarriers. The wgmma kernel has no mbarriers (cp.async groups,
-    `__syncthreads` and named `bar.sync` barriers only), passed every FP8 test, and is 1.5-2.0x faster on FP8 pools
-    (docs/benchmarks/attention.md).
+    `__syncthreads` and named `bar.sync` barriers only), passed every FP8 test, and is
+    1.5-2.0x faster on FP8 pools (docs/benchmarks/attention.md).
     """
     from jax_dspark.ops import _kernels
 
