@@ -34,10 +34,11 @@ ffi::Error bind_common(float eps, int32_t inverse, int32_t rope_dim, ffi::AnyBuf
   const int64_t rows = int64_t(x.element_count()) / D;
   if (rope_dim < 0 || rope_dim % 8 != 0 || rope_dim > D)
     return bad("rope_dim must be a multiple of 8 in [0, D], got " + std::to_string(rope_dim));
-  if (weight.element_type() != DT::F32 || weight.element_count() == 0 || int64_t(weight.element_count()) % D != 0)
-    return bad("weight must be f32 [G, D]");
+  // An empty weight means none (RMSNorm without a gain): nothing to read per row.
+  if (weight.element_type() != DT::F32 || int64_t(weight.element_count()) % D != 0)
+    return bad("weight must be f32 [G, D] (or empty for no weight)");
   const int64_t groups = int64_t(weight.element_count()) / D;
-  if (rows % groups != 0) return bad("weight groups must divide the rows");
+  if (groups > 0 && rows % groups != 0) return bad("weight groups must divide the rows");
   int64_t freq_rows = 1;
   if (rope_dim > 0) {
     if (freqs.element_type() != DT::F32 || freqs.element_count() == 0 ||
@@ -47,12 +48,12 @@ ffi::Error bind_common(float eps, int32_t inverse, int32_t rope_dim, ffi::AnyBuf
     if (rows % freq_rows != 0) return bad("freqs rows must divide the rows of x");
   }
   p.x = x.untyped_data();
-  p.weight = static_cast<const float*>(weight.untyped_data());
+  p.weight = groups > 0 ? static_cast<const float*>(weight.untyped_data()) : nullptr;
   p.freqs = rope_dim > 0 ? static_cast<const float*>(freqs.untyped_data()) : nullptr;
   p.rows = rows;
   p.dim = int(D);
   p.rope_dim = rope_dim;
-  p.weight_groups = rows > 0 ? groups : 1;
+  p.weight_groups = rows > 0 && groups > 0 ? groups : 1;
   p.freq_rows = rows > 0 ? freq_rows : 1;
   p.inverse = inverse != 0;
   p.eps = eps;

@@ -58,7 +58,7 @@ def test_bf16_per_head_rows_with_per_position_table(inverse, weight):
     assert rel_err(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("d", [8, 136, 512, 2048])
+@pytest.mark.parametrize("d", [8, 136, 512, 1000, 2048])  # 1, 1, 2, 4, 8 chunks of 256
 def test_f32_rows_of_several_widths(d):
     x, w, freqs = make(d, (37, d), jnp.float32, rope_dim=8 if d == 8 else 64)
     got = kernel(x, w, freqs, eps=1e-5)
@@ -73,8 +73,9 @@ def test_no_rope_is_plain_rms_norm():
 
 
 @pytest.mark.parametrize("block", [64, 128])
-def test_fp8_output_matches_quantised_reference(block):
-    x, w, freqs = make(6 + block, (4, 2, 64, 512), freq_shape=(4, 2, 1))
+@pytest.mark.parametrize("weight", [True, False])
+def test_fp8_output_matches_quantised_reference(block, weight):
+    x, w, freqs = make(6 + block + int(weight), (4, 2, 64, 512), freq_shape=(4, 2, 1), weight=weight)
     values, exps = kernel(x, w, freqs, eps=1e-6, fp8_block=block)
     ref_values, ref_exps = _kernels.rms_norm_rope_reference(x, w, freqs, eps=1e-6, fp8_block=block)
     assert np.mean(np.asarray(exps) == np.asarray(ref_exps)) >= 0.99
@@ -93,6 +94,18 @@ def test_vmap_with_a_batched_weight_matches_reference():
 
     got = jax.jit(jax.vmap(f))(x, ws, freqs)
     want = jax.vmap(lambda x, w, fr: _kernels.rms_norm_rope_reference(x, w, fr, eps=1e-6))(x, ws, freqs)
+    assert rel_err(got, want) < 1e-2
+
+
+def test_vmap_without_a_weight_matches_reference():
+    x, _, freqs = make(9, (3, 10, 512), weight=False)
+
+    def f(x, fr):
+        with ops.force("kernel"):
+            return _kernels.rms_norm_rope(x, None, fr, eps=1e-6)
+
+    got = jax.jit(jax.vmap(f))(x, freqs)
+    want = jax.vmap(lambda x, fr: _kernels.rms_norm_rope_reference(x, None, fr, eps=1e-6))(x, freqs)
     assert rel_err(got, want) < 1e-2
 
 

@@ -12,7 +12,7 @@ enum class PrepDType : int { kBF16 = 0, kF32 = 1 };
 
 struct RmsNormRopeParams {
   const void* x;       // [rows, dim], bf16 or f32
-  const float* weight; // [weight_groups, dim]; row r uses group r / (rows / weight_groups)
+  const float* weight; // [weight_groups, dim]; row r uses group r / (rows / weight_groups); null: no weight
   const float* freqs;  // [freq_rows, rope_dim / 2, 2] (cos, sin); row r uses r / (rows / freq_rows)
   void* y;             // [rows, dim] in x's dtype (fp8_block == 0) or f8e4m3 values
   uint8_t* exps;       // [rows, dim / fp8_block] UE8M0 exponents (fp8_block > 0)

@@ -64,20 +64,40 @@ __device__ __forceinline__ int ue8m0_exponent(float amax) {
   return 127 + (m == 0.5f ? e - 1 : e);
 }
 
-template <typename T>
+// One warp per row; CHUNKS = ceil(D / 256) (1, 2, 4 or 8) is a template argument so a
+// D <= 512 row costs 16 registers of values, not the 64 of the widest case: at 56 registers
+// a thread (sm_90a, bf16, D 512) an SM holds 32 warps and so 32 rows of loads in flight,
+// which is what a memory-bound kernel lives on (the first version sized every row for
+// D = 2048). Capping registers lower (launch bounds) spills. The row
+// and its (cos, sin) pairs are loaded before the first is used, so each warp waits for DRAM
+// once; the weight, shared by many rows and so an L1 / L2 hit, is read only when applied.
+template <typename T, int CHUNKS>
 __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopeParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
   if (row >= p.rows) return;
   const int64_t base = row * p.dim;
+  const int rope_lo = p.dim - p.rope_dim;
+  const float* w = p.weight ? p.weight + (row / (p.rows / p.weight_groups)) * p.dim : nullptr;
+  const float* fr = p.rope_dim > 0 ? p.freqs + (row / (p.rows / p.freq_rows)) * int64_t(p.rope_dim) : nullptr;
 
-  float v[kMaxChunks][8];
-  float ss = 0.f;
+  float v[CHUNKS][8];
+  float4 cs[CHUNKS][2];
 #pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) {
+  for (int c = 0; c < CHUNKS; ++c) {
     const int e0 = c * kChunk + lane * 8;
     if (e0 < p.dim) {
       Vec8<T>::load(p.x, base + e0, v[c]);
+      if (e0 >= rope_lo) {  // the 8 elements are 4 whole (cos, sin) pairs: R % 8 == 0
+        cs[c][0] = __ldg(reinterpret_cast<const float4*>(fr + (e0 - rope_lo)));
+        cs[c][1] = __ldg(reinterpret_cast<const float4*>(fr + (e0 - rope_lo) + 4));
+      }
+    }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    if (c * kChunk + lane * 8 < p.dim) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) ss += v[c][i] * v[c][i];
     }
@@ -85,26 +105,25 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float rinv = rsqrtf(ss / float(p.dim) + p.eps);
-
-  const float* w = p.weight + (row / (p.rows / p.weight_groups)) * p.dim;
-  const float* fr = p.rope_dim > 0 ? p.freqs + (row / (p.rows / p.freq_rows)) * int64_t(p.rope_dim) : nullptr;
-  const int rope_lo = p.dim - p.rope_dim;
   const float sgn = p.inverse ? -1.f : 1.f;
 
 #pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) {
+  for (int c = 0; c < CHUNKS; ++c) {
     const int e0 = c * kChunk + lane * 8;
     if (e0 < p.dim) {
-      const float4 w0 = *reinterpret_cast<const float4*>(w + e0);
-      const float4 w1 = *reinterpret_cast<const float4*>(w + e0 + 4);
-      const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      if (w) {  // shared by many rows: an L1 / L2 hit, so it is read only now, sparing registers
+        const float4 w0 = __ldg(reinterpret_cast<const float4*>(w + e0));
+        const float4 w1 = __ldg(reinterpret_cast<const float4*>(w + e0 + 4));
+        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[c][i] = Vec8<T>::round(v[c][i] * rinv * wv[i]);
-      if (e0 >= rope_lo) {  // the 8 elements are 4 whole (cos, sin) pairs: R % 8 == 0
-        const float4* cs = reinterpret_cast<const float4*>(fr + (e0 - rope_lo));
-        const float4 c0 = cs[0], c1 = cs[1];
-        const float cosv[4] = {c0.x, c0.z, c1.x, c1.z};
-        const float sinv[4] = {c0.y, c0.w, c1.y, c1.w};
+        for (int i = 0; i < 8; ++i) v[c][i] = Vec8<T>::round(v[c][i] * rinv * wv[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[c][i] = Vec8<T>::round(v[c][i] * rinv);
+      }
+      if (e0 >= rope_lo) {
+        const float cosv[4] = {cs[c][0].x, cs[c][0].z, cs[c][1].x, cs[c][1].z};
+        const float sinv[4] = {cs[c][0].y, cs[c][0].w, cs[c][1].y, cs[c][1].w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const float x0 = v[c][2 * k], x1 = v[c][2 * k + 1];
@@ -118,7 +137,7 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
 
   if (p.fp8_block == 0) {
 #pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) {
+    for (int c = 0; c < CHUNKS; ++c) {
       const int e0 = c * kChunk + lane * 8;
       if (e0 < p.dim) Vec8<T>::store(p.y, base + e0, v[c]);
     }
@@ -130,7 +149,7 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
   const int blocks_per_row = p.dim / p.fp8_block;
   uint8_t* y8 = static_cast<uint8_t*>(p.y);
 #pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) {
+  for (int c = 0; c < CHUNKS; ++c) {
     const int e0 = c * kChunk + lane * 8;
     if (c * kChunk >= p.dim) break;  // warp-uniform: whole warp leaves together
     const bool active = e0 < p.dim;
@@ -158,16 +177,26 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
   }
 }
 
+template <typename T>
+cudaError_t launch_rows(const RmsNormRopeParams& p, cudaStream_t stream) {
+  const unsigned blocks = unsigned((p.rows + 7) / 8);
+  const int chunks = (p.dim + kChunk - 1) / kChunk;
+  if (chunks <= 1)
+    rms_norm_rope_kernel<T, 1><<<blocks, 256, 0, stream>>>(p);
+  else if (chunks <= 2)
+    rms_norm_rope_kernel<T, 2><<<blocks, 256, 0, stream>>>(p);
+  else if (chunks <= 4)
+    rms_norm_rope_kernel<T, 4><<<blocks, 256, 0, stream>>>(p);
+  else
+    rms_norm_rope_kernel<T, kMaxChunks><<<blocks, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t run_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  const unsigned blocks = unsigned((p.rows + 7) / 8);
-  if (p.dtype == PrepDType::kBF16)
-    rms_norm_rope_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p);
-  else
-    rms_norm_rope_kernel<float><<<blocks, 256, 0, stream>>>(p);
-  return cudaGetLastError();
+  return p.dtype == PrepDType::kBF16 ? launch_rows<__nv_bfloat16>(p, stream) : launch_rows<float>(p, stream);
 }
 
 }  // namespace jds

@@ -5,10 +5,12 @@
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
+//   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -326,24 +328,28 @@ static int memcheck(int sms) {
     free_attn(a);
   }
   // prep: widths that leave partial chunks, both dtypes, FP8 64/128, groups of rows
+  // (groups 0: no weight); one width per chunk-count instantiation (1, 2, 4, 8 chunks of 256)
   struct PrepCase { int rows, dim, rope, block; bool f32; int groups, freq_rows; };
-  const PrepCase pcs[] = {{37, 136, 64, 0, false, 1, 37}, {64, 512, 64, 64, false, 2, 8}, {33, 2048, 64, 128, true, 1, 33},
-                          {16, 192, 0, 64, false, 1, 1}, {8, 8, 8, 0, true, 4, 2}};
+  const PrepCase pcs[] = {{37, 136, 64, 0, false, 1, 37},   {64, 512, 64, 64, false, 2, 8}, {33, 2048, 64, 128, true, 1, 33},
+                          {16, 192, 0, 64, false, 1, 1},     {8, 8, 8, 0, true, 4, 2},       {19, 512, 64, 0, false, 0, 19},
+                          {13, 1000, 64, 0, false, 0, 13},   {9, 520, 8, 0, true, 3, 3},     {40, 264, 64, 0, false, 0, 8},
+                          {11, 1536, 64, 128, false, 0, 11}, {7, 256, 256, 64, false, 1, 7}};
   for (const auto& c : pcs) {
     jds::RmsNormRopeParams p{};
     const size_t n = size_t(c.rows) * c.dim;
     std::vector<bf16> xb = randn_bf16(n);
-    std::vector<float> xf(n), w(size_t(c.groups) * c.dim), f(size_t(c.freq_rows) * c.rope);
+    std::vector<float> xf(n), w(size_t(c.groups) * c.dim), f(size_t(c.freq_rows) * c.rope);  // exact sizes
     for (size_t i = 0; i < n; ++i) xf[i] = __bfloat162float(xb[i]);
     for (auto& v : w) v = 0.5f + float(rng() % 100) / 100.f;
     for (size_t i = 0; i < f.size(); ++i) f[i] = std::cos(float(i));
     p.x = c.f32 ? (const void*)upload(xf) : (const void*)upload(xb);
-    p.weight = upload(w);
+    p.weight = upload(w);  // null when groups == 0
     p.freqs = c.rope ? upload(f) : nullptr;
     const size_t out_bytes = c.block ? n : n * (c.f32 ? 4 : 2);
     p.y = poisoned<uint8_t>(out_bytes);
     p.exps = c.block ? poisoned<uint8_t>(size_t(c.rows) * (c.dim / c.block)) : nullptr;
-    p.rows = c.rows, p.dim = c.dim, p.rope_dim = c.rope, p.weight_groups = c.groups, p.freq_rows = c.freq_rows;
+    p.rows = c.rows, p.dim = c.dim, p.rope_dim = c.rope, p.weight_groups = c.groups ? c.groups : 1;
+    p.freq_rows = c.freq_rows;
     p.inverse = 1, p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = c.f32 ? jds::PrepDType::kF32 : jds::PrepDType::kBF16;
     CK(jds::run_rms_norm_rope(p, 0));
     CK(cudaDeviceSynchronize());
@@ -358,7 +364,8 @@ static int memcheck(int sms) {
       for (size_t i = 0; i < n; ++i) ok &= std::isfinite(__bfloat162float(reinterpret_cast<bf16*>(y.data())[i]));
     }
     failures += !ok;
-    std::printf("prep rows=%d dim=%d rope=%d fp8=%d f32=%d %s\n", c.rows, c.dim, c.rope, c.block, c.f32, ok ? "ok" : "FAIL");
+    std::printf("prep rows=%d dim=%d rope=%d fp8=%d f32=%d weight_groups=%d %s\n", c.rows, c.dim, c.rope, c.block, c.f32,
+                c.groups, ok ? "ok" : "FAIL");
     for (const void* ptr : {p.x, (const void*)p.weight, (const void*)p.freqs, (const void*)p.y, (const void*)p.exps})
       if (ptr) CK(cudaFree(const_cast<void*>(ptr)));
   }
@@ -407,6 +414,64 @@ static int bench(int sms, const char* only) {
   return 0;
 }
 
+// Pure device time of the prep kernel on the `jax-dspark bench prep` cases (x [rows, 512] bf16,
+// RoPE 64, per-position (cos, sin) shared by H rows), rotating 4 input sets, next to a
+// device-to-device copy of the same bytes: what the XLA-launched numbers would be without
+// launch gaps, and how close the kernel is to the copy ceiling.
+static int bench_prep(const char* only) {
+  struct Case { const char* name; int positions, heads, block; bool weight; };
+  const Case cases[] = {{"V4-Flash q decode", 64, 64, 0, false},       {"DSpark block q", 320, 64, 0, false},
+                        {"V4-Pro DSpark block q", 640, 128, 0, false}, {"kv prefill 16k + FP8 1x64", 16384, 1, 64, true},
+                        {"q prefill 4k x 64 + FP8 1x128", 4096, 64, 128, false}};
+  const int D = 512, R = 64, kSets = 4, iters = 50;
+  for (const auto& c : cases) {
+    if (only && !std::strstr(c.name, only)) continue;
+    const int64_t rows = int64_t(c.positions) * c.heads;
+    const size_t n = size_t(rows) * D, out_bytes = c.block ? n + n / c.block : n * 2;
+    std::vector<jds::RmsNormRopeParams> sets(kSets);
+    std::vector<float> w(D), f(size_t(c.positions) * R);
+    for (auto& v : w) v = 0.5f + float(rng() % 100) / 100.f;
+    for (size_t i = 0; i < f.size(); ++i) f[i] = std::cos(float(i));
+    for (auto& p : sets) {
+      p = {};
+      p.x = upload(randn_bf16(n));
+      p.weight = c.weight ? upload(w) : nullptr;
+      p.freqs = upload(f);
+      p.y = poisoned<uint8_t>(c.block ? n : n * 2);
+      p.exps = c.block ? poisoned<uint8_t>(n / c.block) : nullptr;
+      p.rows = rows, p.dim = D, p.rope_dim = R, p.weight_groups = 1, p.freq_rows = c.positions;
+      p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = jds::PrepDType::kBF16;
+    }
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    float ms = 0, copy_ms = 0;
+    for (int i = 0; i < 3; ++i) CK(jds::run_rms_norm_rope(sets[i % kSets], 0));
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i) CK(jds::run_rms_norm_rope(sets[i % kSets], 0));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    // the copy ceiling: read the same x bytes, write the same output bytes
+    const size_t copy_bytes = std::min(n * 2, out_bytes);
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; ++i)
+      CK(cudaMemcpyAsync(sets[i % kSets].y, sets[(i + 1) % kSets].x, copy_bytes, cudaMemcpyDeviceToDevice, 0));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&copy_ms, e0, e1));
+    const double us = ms * 1e3 / iters, copy_us = copy_ms * 1e3 / iters;
+    const double bytes = double(n) * 2 + double(out_bytes);
+    std::printf("{\"name\": \"%s\", \"rows\": %lld, \"kernel_event_us\": %.2f, \"TBps\": %.3f, "
+                "\"copy_event_us\": %.2f, \"copy_TBps\": %.3f}\n",
+                c.name, (long long)rows, us, bytes / us / 1e6, copy_us, 2.0 * copy_bytes / copy_us / 1e6);
+    for (auto& p : sets)
+      for (const void* ptr : {p.x, (const void*)p.weight, (const void*)p.freqs, (const void*)p.y, (const void*)p.exps})
+        if (ptr) CK(cudaFree(const_cast<void*>(ptr)));
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);  // keep partial output if a time limit kills us
   int sms = 132;
@@ -422,5 +487,6 @@ int main(int argc, char** argv) {
   }
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention ? "mma.sync" : "wgmma");
   if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
+  if (nargs > 0 && std::strcmp(args[0], "bench-prep") == 0) return bench_prep(nargs > 1 ? args[1] : nullptr);
   return memcheck(sms);
 }

@@ -319,7 +319,7 @@ def rms_norm_rope(
         return rms_norm_rope_reference(x, weight, freqs, eps=eps, inverse=inverse, fp8_block=fp8_block)
     d = x.shape[-1]
     lead = tuple(x.shape[:-1])
-    w = jnp.ones((d,), jnp.float32) if weight is None else weight.astype(jnp.float32)
+    w = jnp.zeros((0,), jnp.float32) if weight is None else weight.astype(jnp.float32)  # empty: no weight
     if freqs is None:
         rope_dim, f = 0, jnp.zeros((1, 0, 2), jnp.float32)
     else:
