@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "ffi/device.h"
 #include "ffi/moe_handlers.h"
 #include "moe/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -30,20 +31,6 @@ std::string dims_str(ffi::Span<const int64_t> d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
   return s + "]";
-}
-
-// Multiprocessors of the current device, read once per device (not a stream operation, so
-// it is harmless during graph capture; cached so steady-state calls do no driver queries).
-int sm_count_of_current_device() {
-  static int cached[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  if (cached[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-    cached[dev] = n;
-  }
-  return cached[dev];
 }
 
 constexpr const char* kExperts = "jax_dspark_moe_experts";

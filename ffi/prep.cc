@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/device.h"
 #include "ffi/handlers.h"
 #include "prep/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -57,6 +58,7 @@ ffi::Error bind_common(float eps, int32_t inverse, int32_t rope_dim, ffi::AnyBuf
   p.freq_rows = rows > 0 ? freq_rows : 1;
   p.inverse = inverse != 0;
   p.eps = eps;
+  p.sms = sm_count_of_current_device();
   return ffi::Error::Success();
 }
 

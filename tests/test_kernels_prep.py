@@ -66,6 +66,22 @@ def test_f32_rows_of_several_widths(d):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("dtype, d, block", [(jnp.bfloat16, 512, None), (jnp.bfloat16, 512, 128), (jnp.float32, 256, 64)])
+def test_many_rows_stream_through_the_ring_with_a_partial_last_group(dtype, d, block):
+    # rows of <= 1 KB go through the persistent bulk-copy kernel: 20483 rows are 2561 groups of
+    # 8 (the last one of 3 rows), several per block, so every stage of the ring is reused
+    x, w, freqs = make(11 + d + (block or 0), (20483, d), dtype)
+    got = kernel(x, w, freqs, eps=1e-6, fp8_block=block)
+    want = _kernels.rms_norm_rope_reference(x, w, freqs, eps=1e-6, fp8_block=block)
+    if block is None:
+        assert rel_err(got, want) < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
+        return
+    assert np.mean(np.asarray(got[1]) == np.asarray(want[1])) >= 0.99
+    g = ops.dequantize_fp8(got[0], got[1], block, jnp.float32)
+    r = ops.dequantize_fp8(want[0], want[1], block, jnp.float32)
+    assert rel_err(g, r) < 3e-2
+
+
 def test_no_rope_is_plain_rms_norm():
     x, w, _ = make(5, (64, 1536), rope_dim=0)
     got = kernel(x, w, None, eps=1e-6)

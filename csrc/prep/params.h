@@ -25,6 +25,7 @@ struct RmsNormRopeParams {
   int fp8_block;       // 0 (no quantisation), 64 or 128
   float eps;
   PrepDType dtype;
+  int sms;             // multiprocessors of the device (sizes the persistent grid; 0 = one block per 8 rows)
 };
 
 cudaError_t run_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream);

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "common/ptx.cuh"
 #include "prep/params.h"
 
 namespace jds {
@@ -64,36 +65,30 @@ __device__ __forceinline__ int ue8m0_exponent(float amax) {
   return 127 + (m == 0.5f ? e - 1 : e);
 }
 
-// One warp per row; CHUNKS = ceil(D / 256) (1, 2, 4 or 8) is a template argument so a
-// D <= 512 row costs 16 registers of values, not the 64 of the widest case: at 56 registers
-// a thread (sm_90a, bf16, D 512) an SM holds 32 warps and so 32 rows of loads in flight,
-// which is what a memory-bound kernel lives on (the first version sized every row for
-// D = 2048). Capping registers lower (launch bounds) spills. The row
-// and its (cos, sin) pairs are loaded before the first is used, so each warp waits for DRAM
-// once; the weight, shared by many rows and so an L1 / L2 hit, is read only when applied.
-template <typename T, int CHUNKS>
-__global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopeParams p) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
-  if (row >= p.rows) return;
-  const int64_t base = row * p.dim;
+// (cos, sin) pairs of the lanes whose 8 elements of chunk c fall in the RoPE span (R % 8 == 0,
+// so 8 elements are 4 whole pairs). Independent of x, so callers issue it early.
+template <int CHUNKS>
+__device__ __forceinline__ void load_freqs(const RmsNormRopeParams& p, int64_t row, int lane, float4 (&cs)[CHUNKS][2]) {
+  if (p.rope_dim == 0) return;
+  const float* fr = p.freqs + (row / (p.rows / p.freq_rows)) * int64_t(p.rope_dim);
   const int rope_lo = p.dim - p.rope_dim;
-  const float* w = p.weight ? p.weight + (row / (p.rows / p.weight_groups)) * p.dim : nullptr;
-  const float* fr = p.rope_dim > 0 ? p.freqs + (row / (p.rows / p.freq_rows)) * int64_t(p.rope_dim) : nullptr;
-
-  float v[CHUNKS][8];
-  float4 cs[CHUNKS][2];
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int e0 = c * kChunk + lane * 8;
-    if (e0 < p.dim) {
-      Vec8<T>::load(p.x, base + e0, v[c]);
-      if (e0 >= rope_lo) {  // the 8 elements are 4 whole (cos, sin) pairs: R % 8 == 0
-        cs[c][0] = __ldg(reinterpret_cast<const float4*>(fr + (e0 - rope_lo)));
-        cs[c][1] = __ldg(reinterpret_cast<const float4*>(fr + (e0 - rope_lo) + 4));
-      }
+    if (e0 < p.dim && e0 >= rope_lo) {
+      cs[c][0] = __ldg(reinterpret_cast<const float4*>(fr + (e0 - rope_lo)));
+      cs[c][1] = __ldg(reinterpret_cast<const float4*>(fr + (e0 - rope_lo) + 4));
     }
   }
+}
+
+// Everything after the row is in registers: RMSNorm (sum over the warp), weight, RoPE with the
+// pairs from `load_freqs`, then the store in x's dtype or the FP8 blocks and their exponents.
+template <typename T, int CHUNKS>
+__device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t row, int lane, float (&v)[CHUNKS][8],
+                                           const float4 (&cs)[CHUNKS][2]) {
+  const int64_t base = row * p.dim;
+  const int rope_lo = p.dim - p.rope_dim;
   float ss = 0.f;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -106,6 +101,7 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float rinv = rsqrtf(ss / float(p.dim) + p.eps);
   const float sgn = p.inverse ? -1.f : 1.f;
+  const float* w = p.weight ? p.weight + (row / (p.rows / p.weight_groups)) * p.dim : nullptr;
 
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -121,7 +117,7 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[c][i] = Vec8<T>::round(v[c][i] * rinv);
       }
-      if (e0 >= rope_lo) {
+      if (p.rope_dim > 0 && e0 >= rope_lo) {
         const float cosv[4] = {cs[c][0].x, cs[c][0].z, cs[c][1].x, cs[c][1].z};
         const float sinv[4] = {cs[c][0].y, cs[c][0].w, cs[c][1].y, cs[c][1].w};
 #pragma unroll
@@ -177,13 +173,105 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
   }
 }
 
+// Rows of up to 2048 elements: one warp per row, the row loaded straight to registers.
+// CHUNKS = ceil(D / 256) (1, 2, 4 or 8) is a template argument so a row costs only the
+// registers its width needs. The row and its (cos, sin) pairs are loaded before the first is
+// used, so each warp waits for DRAM once; the weight, shared by many rows and so an L1 / L2
+// hit, is read only when applied.
+template <typename T, int CHUNKS>
+__global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopeParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  float v[CHUNKS][8];
+  float4 cs[CHUNKS][2];
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int e0 = c * kChunk + lane * 8;
+    if (e0 < p.dim) Vec8<T>::load(p.x, row * p.dim + e0, v[c]);
+  }
+  load_freqs<CHUNKS>(p, row, lane, cs);
+  finish_row<T, CHUNKS>(p, row, lane, v, cs);
+}
+
+// Rows of at most 1 KB (bf16 D <= 512, f32 D <= 256: every V4 / DSpark q and kv row): the
+// register kernel keeps only one row per warp in flight (32 warps x 1 KB per SM at its 56
+// registers), which measured 2.8 TB/s of 4.1 on the H200. Here a persistent block streams
+// groups of 8 consecutive rows (8 KB, contiguous) through a 4-stage ring in shared memory
+// with the bulk copy engine: thread 0 keeps 4 groups in flight per block, so the bytes in
+// flight no longer cost registers. Each warp takes its row of the group from shared memory;
+// one CTA barrier per group releases the stage to the next copy. The (cos, sin) pairs of a
+// warp's next row are loaded one group ahead (per-row tables, as for kv, come from DRAM).
+constexpr int kStreamStages = 4;
+constexpr int kStreamRowBytes = 1024;
+constexpr int kStreamBlocksPerSm = 3;  // guaranteed by the launch bounds: 3 x 33 KB of ring, <= 85 registers (4 spills)
+
+template <typename T, int CHUNKS>
+__global__ void __launch_bounds__(256, kStreamBlocksPerSm) rms_norm_rope_stream_kernel(const RmsNormRopeParams p) {
+  static_assert(CHUNKS * kChunk * sizeof(T) <= 2 * kStreamRowBytes, "");
+  __shared__ alignas(128) uint8_t ring[kStreamStages][8 * kStreamRowBytes];
+  __shared__ alignas(8) uint64_t full[kStreamStages];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t row_bytes = uint32_t(p.dim) * sizeof(T);
+  const int64_t groups = (p.rows + 7) / 8;
+  const auto issue = [&](int64_t g, int s) {  // thread 0: bulk-copy group g into stage s
+    const int64_t r0 = g * 8;
+    const uint32_t bytes = uint32_t(p.rows - r0 < 8 ? p.rows - r0 : 8) * row_bytes;
+    mbar_arrive_expect_tx(&full[s], bytes);
+    bulk_copy_g2s(ring[s], static_cast<const uint8_t*>(p.x) + r0 * row_bytes, bytes, &full[s]);
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStreamStages; ++s) mbar_init(&full[s], 1);
+    fence_barrier_init();
+    for (int s = 0; s < kStreamStages; ++s) {
+      const int64_t g = blockIdx.x + int64_t(s) * gridDim.x;
+      if (g < groups) issue(g, s);
+    }
+  }
+  __syncthreads();
+
+  float4 cs[CHUNKS][2];
+  load_freqs<CHUNKS>(p, int64_t(blockIdx.x) * 8 + warp < p.rows ? int64_t(blockIdx.x) * 8 + warp : 0, lane, cs);
+  int it = 0;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x, ++it) {
+    const int s = it % kStreamStages;
+    const int64_t row = g * 8 + warp;
+    const bool live = row < p.rows;
+    float v[CHUNKS][8];
+    mbar_wait(&full[s], uint32_t(it / kStreamStages) & 1u);
+    if (live) {
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int e0 = c * kChunk + lane * 8;
+        if (e0 < p.dim) Vec8<T>::load(ring[s] + warp * row_bytes, e0, v[c]);
+      }
+    }
+    __syncthreads();  // every warp holds its row: stage s may take the next copy
+    if (threadIdx.x == 0 && g + int64_t(kStreamStages) * gridDim.x < groups) issue(g + int64_t(kStreamStages) * gridDim.x, s);
+    float4 cur[CHUNKS][2];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) cur[c][0] = cs[c][0], cur[c][1] = cs[c][1];
+    const int64_t next = (g + gridDim.x) * 8 + warp;
+    if (next < p.rows) load_freqs<CHUNKS>(p, next, lane, cs);
+    if (live) finish_row<T, CHUNKS>(p, row, lane, v, cur);
+  }
+}
+
 template <typename T>
 cudaError_t launch_rows(const RmsNormRopeParams& p, cudaStream_t stream) {
-  const unsigned blocks = unsigned((p.rows + 7) / 8);
   const int chunks = (p.dim + kChunk - 1) / kChunk;
-  if (chunks <= 1)
-    rms_norm_rope_kernel<T, 1><<<blocks, 256, 0, stream>>>(p);
-  else if (chunks <= 2)
+  const int64_t groups = (p.rows + 7) / 8;
+  if (int64_t(p.dim) * sizeof(T) <= kStreamRowBytes) {
+    const int64_t resident = int64_t(p.sms) * kStreamBlocksPerSm;
+    const unsigned blocks = unsigned(p.sms > 0 && resident < groups ? resident : groups);
+    if (chunks <= 1)
+      rms_norm_rope_stream_kernel<T, 1><<<blocks, 256, 0, stream>>>(p);
+    else
+      rms_norm_rope_stream_kernel<T, 2><<<blocks, 256, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  const unsigned blocks = unsigned(groups);
+  if (chunks <= 2)
     rms_norm_rope_kernel<T, 2><<<blocks, 256, 0, stream>>>(p);
   else if (chunks <= 4)
     rms_norm_rope_kernel<T, 4><<<blocks, 256, 0, stream>>>(p);

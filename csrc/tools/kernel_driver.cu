@@ -333,7 +333,9 @@ static int memcheck(int sms) {
   const PrepCase pcs[] = {{37, 136, 64, 0, false, 1, 37},   {64, 512, 64, 64, false, 2, 8}, {33, 2048, 64, 128, true, 1, 33},
                           {16, 192, 0, 64, false, 1, 1},     {8, 8, 8, 0, true, 4, 2},       {19, 512, 64, 0, false, 0, 19},
                           {13, 1000, 64, 0, false, 0, 13},   {9, 520, 8, 0, true, 3, 3},     {40, 264, 64, 0, false, 0, 8},
-                          {11, 1536, 64, 128, false, 0, 11}, {7, 256, 256, 64, false, 1, 7}};
+                          {11, 1536, 64, 128, false, 0, 11}, {7, 256, 256, 64, false, 1, 7},
+                          {1001, 512, 64, 0, false, 0, 1001}, {999, 256, 64, 128, true, 1, 333},
+                          {2050, 512, 64, 64, false, 1, 1025}};
   for (const auto& c : pcs) {
     jds::RmsNormRopeParams p{};
     const size_t n = size_t(c.rows) * c.dim;
@@ -351,13 +353,25 @@ static int memcheck(int sms) {
     p.rows = c.rows, p.dim = c.dim, p.rope_dim = c.rope, p.weight_groups = c.groups ? c.groups : 1;
     p.freq_rows = c.freq_rows;
     p.inverse = 1, p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = c.f32 ? jds::PrepDType::kF32 : jds::PrepDType::kBF16;
+    // sms = 1: 3 persistent blocks cycle their groups through the ring many times; the result
+    // must equal the one-group-per-block launch (sms = 0) byte for byte
+    p.sms = 0;
     CK(jds::run_rms_norm_rope(p, 0));
     CK(cudaDeviceSynchronize());
-    std::vector<uint8_t> y(out_bytes);
+    std::vector<uint8_t> y(out_bytes), y_ring(out_bytes), e(p.exps ? size_t(c.rows) * (c.dim / c.block) : 0), e_ring(e.size());
     CK(cudaMemcpy(y.data(), p.y, out_bytes, cudaMemcpyDeviceToHost));
-    bool ok = true;  // every output written (no poison left)
+    if (p.exps) CK(cudaMemcpy(e.data(), p.exps, e.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemset(p.y, 0xFF, out_bytes));
+    if (p.exps) CK(cudaMemset(p.exps, 0xFF, e.size()));
+    p.sms = 1;
+    CK(jds::run_rms_norm_rope(p, 0));
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(y_ring.data(), p.y, out_bytes, cudaMemcpyDeviceToHost));
+    if (p.exps) CK(cudaMemcpy(e_ring.data(), p.exps, e.size(), cudaMemcpyDeviceToHost));
+    bool ok = y == y_ring && e == e_ring;  // and every output written (no poison left):
     if (c.block) {
       for (auto v : y) ok &= (v & 0x7F) != 0x7F;  // e4m3fn NaN is S.1111.111
+      for (auto v : e) ok &= v != 0xFF;            // UE8M0 NaN
     } else if (c.f32) {
       for (size_t i = 0; i < n; ++i) ok &= std::isfinite(reinterpret_cast<float*>(y.data())[i]);
     } else {
@@ -418,7 +432,7 @@ static int bench(int sms, const char* only) {
 // RoPE 64, per-position (cos, sin) shared by H rows), rotating 4 input sets, next to a
 // device-to-device copy of the same bytes: what the XLA-launched numbers would be without
 // launch gaps, and how close the kernel is to the copy ceiling.
-static int bench_prep(const char* only) {
+static int bench_prep(int sms, const char* only) {
   struct Case { const char* name; int positions, heads, block; bool weight; };
   const Case cases[] = {{"V4-Flash q decode", 64, 64, 0, false},       {"DSpark block q", 320, 64, 0, false},
                         {"V4-Pro DSpark block q", 640, 128, 0, false}, {"kv prefill 16k + FP8 1x64", 16384, 1, 64, true},
@@ -440,7 +454,7 @@ static int bench_prep(const char* only) {
       p.y = poisoned<uint8_t>(c.block ? n : n * 2);
       p.exps = c.block ? poisoned<uint8_t>(n / c.block) : nullptr;
       p.rows = rows, p.dim = D, p.rope_dim = R, p.weight_groups = 1, p.freq_rows = c.positions;
-      p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = jds::PrepDType::kBF16;
+      p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = jds::PrepDType::kBF16, p.sms = sms;
     }
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
@@ -452,8 +466,8 @@ static int bench_prep(const char* only) {
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    // the copy ceiling: read the same x bytes, write the same output bytes
-    const size_t copy_bytes = std::min(n * 2, out_bytes);
+    // the copy ceiling at this size: a device copy of y's bytes (read + written)
+    const size_t copy_bytes = c.block ? n : n * 2;  // the size of y
     CK(cudaEventRecord(e0));
     for (int i = 0; i < iters; ++i)
       CK(cudaMemcpyAsync(sets[i % kSets].y, sets[(i + 1) % kSets].x, copy_bytes, cudaMemcpyDeviceToDevice, 0));
@@ -487,6 +501,6 @@ int main(int argc, char** argv) {
   }
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention ? "mma.sync" : "wgmma");
   if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
-  if (nargs > 0 && std::strcmp(args[0], "bench-prep") == 0) return bench_prep(nargs > 1 ? args[1] : nullptr);
+  if (nargs > 0 && std::strcmp(args[0], "bench-prep") == 0) return bench_prep(sms, nargs > 1 ? args[1] : nullptr);
   return memcheck(sms);
 }
