@@ -50,3 +50,26 @@ def test_bench_refuses_command_buffers_where_they_are_not_measured(what, capsys)
 def test_launch_notes_name_the_mode():
     assert "CUDA graphs" in timing.launch_note("command buffers")
     assert "no command buffers" in timing.launch_note("streams")
+
+
+class _Named:
+    def __init__(self, name, **kw):
+        self.name = name
+        self.__dict__.update(kw)
+
+
+def test_busy_time_sums_gpu_stream_events_and_skips_derived_lines_and_the_host():
+    kernel = _Named("fusion", duration_ns=1500)
+    custom = _Named("rms_norm_rope_stream_kernel", duration_ns=2500)
+    gpu = _Named("/device:GPU:0", lines=[
+        _Named("Stream #13(Compute)", events=[kernel, custom]),
+        _Named("XLA Ops", events=[kernel, custom]),      # the same time again, per op
+        _Named("XLA Modules", events=[_Named("jit_f", duration_ns=9000)]),
+    ])
+    host = _Named("/host:CPU", lines=[_Named("Stream #1", events=[_Named("x", duration_ns=7)])])
+    assert timing.stream_busy_ns([host, gpu]) == 4000
+
+
+def test_busy_time_is_none_without_a_gpu_in_the_trace():
+    sets = [(jnp.full((8,), float(i)),) for i in range(3)]
+    assert timing.device_busy_us(lambda x: x * 2 + 1, sets) is None

@@ -12,16 +12,23 @@ next inside the executable (~5-15 µs per call through XLA's thunks, which is mo
 small case). `enable_command_buffers` makes XLA replay fusions and custom calls as CUDA
 graphs instead, as a deployment with command buffers would; every timing of the process,
 reference and kernel alike, then runs that way, and `launch_mode()` says which it was.
+On the H200 that did not lower the floor (docs/kernels.md), so `device_busy_us` also reads
+the GPU's own record: a profiler trace of the same N-call executable, summing the
+durations of the kernels and copies on the device's streams, i.e. time the GPU was busy
+with the call, gaps excluded.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.profiler
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,6 +59,41 @@ def per_call_us(fn: Callable, input_sets: Sequence[tuple], reps: int = 15) -> fl
     t_many = median_wall_s(lambda: many(sets), reps)
     t_one = median_wall_s(lambda: one(first), reps)
     return max(t_many - t_one, 1e-9) / (n - 1) * 1e6
+
+
+def device_busy_us(fn: Callable, input_sets: Sequence[tuple]) -> float | None:
+    """GPU busy time of `fn(*inputs)` per call in microseconds: one profiled run of the
+    N-call executable of `per_call_us`, summed stream events (kernels, copies) / N. None
+    when the trace holds no GPU stream events (no GPU, or the profiler cannot see it)."""
+    sets = list(input_sets)
+    many = jax.jit(lambda sets: [fn(*s) for s in sets])
+    for _ in range(2):  # compile + warm up
+        jax.block_until_ready(many(sets))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            jax.block_until_ready(many(sets))
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None
+        busy_ns = stream_busy_ns(jax.profiler.ProfileData.from_file(files[0]).planes)
+    return busy_ns / len(sets) / 1e3 if busy_ns > 0 else None
+
+
+def stream_busy_ns(planes) -> int:
+    """Summed durations of the events on the GPU planes' stream lines ("Stream #N..."): the
+    kernels and copies themselves. The derived lines ("XLA Ops", "XLA Modules", ...) span
+    the same time again and are skipped."""
+    total = 0
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                total += sum(int(event.duration_ns) for event in line.events)
+    return total
 
 
 def copy_bandwidth_TBps(gib: float = 2.0, reps: int = 10) -> float:
