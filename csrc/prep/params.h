@@ -26,6 +26,8 @@ struct RmsNormRopeParams {
   float eps;
   PrepDType dtype;
   int sms;             // multiprocessors of the device (sizes the persistent grid; 0 = one block per 8 rows)
+  int64_t rows_per_weight_group;  // set by run_rms_norm_rope: rows / weight_groups
+  int64_t rows_per_freq_row;      // set by run_rms_norm_rope: rows / freq_rows
 };
 
 cudaError_t run_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream);

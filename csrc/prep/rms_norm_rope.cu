@@ -9,6 +9,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <cstdint>
+
 #include "common/ptx.cuh"
 #include "prep/params.h"
 
@@ -57,12 +59,20 @@ struct Vec8<float> {
   }
 };
 
-// UE8M0 exponent of a block: 127 + ceil(log2(max(amax, 1e-4) / 448)), computed exactly.
+// UE8M0 exponent of a block: 127 + ceil(log2(max(amax, 1e-4) / 448)), computed exactly from
+// the bits of the quotient (what frexpf gives, without its denormal handling: the quotient
+// is at least 2.2e-7, a normal float). An infinite amax gives 127, as frexpf's exponent 0.
 __device__ __forceinline__ int ue8m0_exponent(float amax) {
-  const float y = fmaxf(amax, 1e-4f) / 448.f;
-  int e;
-  const float m = frexpf(y, &e);  // y = m * 2^e, m in [0.5, 1)
-  return 127 + (m == 0.5f ? e - 1 : e);
+  const uint32_t bits = __float_as_uint(fmaxf(amax, 1e-4f) / 448.f);
+  const int biased = int(bits >> 23) & 0xff;  // quotient = 1.f x 2^(biased - 127), positive
+  if (biased == 0xff) return 127;
+  return (bits & 0x7fffffu) == 0 ? biased : biased + 1;  // a power of two needs no rounding up
+}
+
+// The weight group / table row of `row`: row / per, in 32 bits whenever the row count fits
+// (a 64-bit division is a called subroutine on the GPU, and this runs twice per row).
+__device__ __forceinline__ int64_t group_of(const RmsNormRopeParams& p, int64_t row, int64_t per) {
+  return p.rows <= int64_t(UINT32_MAX) ? int64_t(uint32_t(row) / uint32_t(per)) : row / per;
 }
 
 // (cos, sin) pairs of the lanes whose 8 elements of chunk c fall in the RoPE span (R % 8 == 0,
@@ -70,7 +80,7 @@ __device__ __forceinline__ int ue8m0_exponent(float amax) {
 template <int CHUNKS>
 __device__ __forceinline__ void load_freqs(const RmsNormRopeParams& p, int64_t row, int lane, float4 (&cs)[CHUNKS][2]) {
   if (p.rope_dim == 0) return;
-  const float* fr = p.freqs + (row / (p.rows / p.freq_rows)) * int64_t(p.rope_dim);
+  const float* fr = p.freqs + group_of(p, row, p.rows_per_freq_row) * int64_t(p.rope_dim);
   const int rope_lo = p.dim - p.rope_dim;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -101,7 +111,7 @@ __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t r
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float rinv = rsqrtf(ss / float(p.dim) + p.eps);
   const float sgn = p.inverse ? -1.f : 1.f;
-  const float* w = p.weight ? p.weight + (row / (p.rows / p.weight_groups)) * p.dim : nullptr;
+  const float* w = p.weight ? p.weight + group_of(p, row, p.rows_per_weight_group) * p.dim : nullptr;
 
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -142,7 +152,8 @@ __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t r
 
   // FP8: a block of B elements spans B / 8 consecutive lanes of one chunk (D % B == 0).
   const int lanes_per_block = p.fp8_block / 8;
-  const int blocks_per_row = p.dim / p.fp8_block;
+  const int block_shift = p.fp8_block == 64 ? 6 : 7;  // fp8_block is 64 or 128
+  const int blocks_per_row = p.dim >> block_shift;
   uint8_t* y8 = static_cast<uint8_t*>(p.y);
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -169,7 +180,7 @@ __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t r
         hi |= uint32_t(pr) << (16 * (k - 2));
     }
     *reinterpret_cast<uint2*>(y8 + base + e0) = make_uint2(lo, hi);
-    if (lane % lanes_per_block == 0) p.exps[row * blocks_per_row + e0 / p.fp8_block] = uint8_t(ex);
+    if (lane % lanes_per_block == 0) p.exps[row * blocks_per_row + (e0 >> block_shift)] = uint8_t(ex);
   }
 }
 
@@ -282,8 +293,11 @@ cudaError_t launch_rows(const RmsNormRopeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t run_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream) {
-  if (p.rows == 0) return cudaSuccess;
+cudaError_t run_rms_norm_rope(const RmsNormRopeParams& params, cudaStream_t stream) {
+  if (params.rows == 0) return cudaSuccess;
+  RmsNormRopeParams p = params;
+  p.rows_per_weight_group = p.rows / p.weight_groups;
+  p.rows_per_freq_row = p.rows / p.freq_rows;
   return p.dtype == PrepDType::kBF16 ? launch_rows<__nv_bfloat16>(p, stream) : launch_rows<float>(p, stream);
 }
 
