@@ -275,10 +275,13 @@ cudaError_t launch_rows(const RmsNormRopeParams& p, cudaStream_t stream) {
   if (int64_t(p.dim) * sizeof(T) <= kStreamRowBytes) {
     const int64_t resident = int64_t(p.sms) * kStreamBlocksPerSm;
     const unsigned blocks = unsigned(p.sms > 0 && resident < groups ? resident : groups);
-    if (chunks <= 1)
-      rms_norm_rope_stream_kernel<T, 1><<<blocks, 256, 0, stream>>>(p);
-    else
-      rms_norm_rope_stream_kernel<T, 2><<<blocks, 256, 0, stream>>>(p);
+    if constexpr (sizeof(T) == 2) {  // bf16 rows of up to 512 elements: 1 or 2 chunks
+      if (chunks > 1) {
+        rms_norm_rope_stream_kernel<T, 2><<<blocks, 256, 0, stream>>>(p);
+        return cudaGetLastError();
+      }
+    }
+    rms_norm_rope_stream_kernel<T, 1><<<blocks, 256, 0, stream>>>(p);  // f32 rows: at most 256 elements
     return cudaGetLastError();
   }
   const unsigned blocks = unsigned(groups);
