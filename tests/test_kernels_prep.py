@@ -58,7 +58,7 @@ def test_bf16_per_head_rows_with_per_position_table(inverse, weight):
     assert rel_err(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("d", [8, 136, 512, 1000, 2048])  # 1, 1, 2, 4, 8 chunks of 256
+@pytest.mark.parametrize("d", [8, 136, 512, 1000, 2048])  # stream kernel (<= 256), then 2, 4, 8 chunks of 256
 def test_f32_rows_of_several_widths(d):
     x, w, freqs = make(d, (37, d), jnp.float32, rope_dim=8 if d == 8 else 64)
     got = kernel(x, w, freqs, eps=1e-5)
