@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks of a kernel change, in one call on the H200 (docs/kernels.md, "Running the
+# checks on a GPU"). Build here, carry the outputs, run the steps there:
+#
+#   cmake -S . -B .dev/build -G Ninja -DJAX_DSPARK_CUDA=ON -DJAX_DSPARK_BUILD_DRIVER=ON && ninja -C .dev/build
+#   tools/h200_checks.sh memcheck driver-bench prep-tests bench-prep          # on the GPU machine
+#
+# Steps (in the order given; each logs to $OUT/checks.log and stops at its own timeout):
+#   memcheck        kernel_driver edge cases under compute-sanitizer memcheck (+ --wgmma)
+#   racecheck       kernel_driver --wgmma under compute-sanitizer racecheck
+#   driver-bench    kernel_driver bench --wgmma and bench-prep: CUDA-event device times
+#   prep-tests      pytest -m gpu tests/test_kernels_prep.py
+#   gpu-tests       pytest -m gpu tests (every GPU test)
+#   bench-prep | bench-attention | bench-moe   jax-dspark bench <what> --out $OUT
+#   bench-prep-cb | bench-attention-cb         the same with --command-buffers
+# Environment: BUILD (default .dev/build: libjax_dspark_ffi.so, kernel_driver), COMMIT (the
+# commit the build is of, recorded in the benchmark JSON), OUT (where logs and JSON go).
+set -uo pipefail
+BUILD=${BUILD:-.dev/build}
+OUT=${OUT:-/tmp/h200_checks}
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+mkdir -p "$OUT"
+LOG=$OUT/checks.log
+export PYTHONUNBUFFERED=1 JAX_DSPARK_FFI_LIB=$PWD/$BUILD/libjax_dspark_ffi.so
+DRIVER=$BUILD/kernel_driver
+status=0
+
+run() {  # run <seconds> <command...>: log it, keep the first failure's status
+  local limit=$1
+  shift
+  echo "== $* (limit ${limit} s)" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -ne 0 ] && echo "== exit $rc" | tee -a "$LOG" && [ "$status" -eq 0 ] && status=$rc
+  return 0
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv 2>&1 | tee -a "$LOG"
+for step in "$@"; do
+  case $step in
+    memcheck)
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER"
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma ;;
+    racecheck) run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma ;;
+    driver-bench)
+      run 120 "$DRIVER" --wgmma bench
+      run 60 "$DRIVER" bench-prep ;;
+    prep-tests) run 240 env JAX_DSPARK_TEST_GPU=1 python3 -m pytest -m gpu tests/test_kernels_prep.py -q ;;
+    gpu-tests) run 580 env JAX_DSPARK_TEST_GPU=1 python3 -m pytest -m gpu tests -q -o faulthandler_timeout=120 ;;
+    bench-prep | bench-attention | bench-moe)
+      run 400 python3 -m jax_dspark.cli bench "${step#bench-}" --out "$OUT" --commit "$COMMIT" ;;
+    bench-prep-cb | bench-attention-cb)
+      what=${step#bench-}
+      run 400 python3 -m jax_dspark.cli bench "${what%-cb}" --command-buffers --out "$OUT" --commit "$COMMIT" ;;
+    *) echo "unknown step: $step" | tee -a "$LOG"; status=2 ;;
+  esac
+done
+exit "$status"
