@@ -17,6 +17,8 @@ namespace {
 
 ffi::Error bad(const std::string& msg) { return ffi::Error::InvalidArgument("jax_dspark_rms_norm_rope: " + msg); }
 
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
 // Fills everything but the outputs; validates shapes and dtypes the kernel relies on.
 ffi::Error bind_common(float eps, int32_t inverse, int32_t rope_dim, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                        ffi::AnyBuffer freqs, jds::RmsNormRopeParams& p) {
@@ -48,6 +50,11 @@ ffi::Error bind_common(float eps, int32_t inverse, int32_t rope_dim, ffi::AnyBuf
     freq_rows = int64_t(freqs.element_count()) / rope_dim;
     if (rows % freq_rows != 0) return bad("freqs rows must divide the rows of x");
   }
+  // The kernels move rows in 16-byte vectors (and bulk copies): every base address must be
+  // 16-byte aligned (XLA's buffers are; a misaligned one would fault, not compute).
+  if (!aligned16(x.untyped_data()) || (groups > 0 && !aligned16(weight.untyped_data())) ||
+      (rope_dim > 0 && !aligned16(freqs.untyped_data())))
+    return bad("x, weight and freqs must be 16-byte aligned");
   p.x = x.untyped_data();
   p.weight = groups > 0 ? static_cast<const float*>(weight.untyped_data()) : nullptr;
   p.freqs = rope_dim > 0 ? static_cast<const float*>(freqs.untyped_data()) : nullptr;
@@ -74,6 +81,7 @@ ffi::Error RmsNormRopeImpl(cudaStream_t stream, float eps, int32_t inverse, int3
   if (auto e = bind_common(eps, inverse, rope_dim, x, weight, freqs, p); e.failure()) return e;
   if (y->element_type() != x.element_type() || y->element_count() != x.element_count())
     return bad("y must match x in dtype and size");
+  if (!aligned16(y->untyped_data())) return bad("y must be 16-byte aligned");
   p.y = y->untyped_data();
   p.exps = nullptr;
   p.fp8_block = 0;
@@ -92,6 +100,7 @@ ffi::Error RmsNormRopeFp8Impl(cudaStream_t stream, float eps, int32_t inverse, i
   if (exps->element_type() != ffi::DataType::U8 ||
       int64_t(exps->element_count()) != p.rows * (p.dim / fp8_block))
     return bad("exps must be uint8 [rows, D / fp8_block]");
+  if (!aligned16(values->untyped_data())) return bad("values must be 16-byte aligned");
   p.y = values->untyped_data();
   p.exps = static_cast<uint8_t*>(exps->untyped_data());
   p.fp8_block = fp8_block;
