@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AcceptanceResult", "decode_batch", "measure_acceptance", "pad_prompts", "precompile"]
+__all__ = ["AcceptanceResult", "acceptance_interval", "decode_batch", "measure_acceptance", "pad_prompts",
+           "precompile"]
 
 # (graph definitions, sampling, max_new_tokens, batch, width) already compiled in this process
 _COMPILED: set[tuple] = set()
@@ -48,6 +49,8 @@ class AcceptanceResult:
       prompts: requests measured.
       wall_s, compile_s: measured time and compilation time.
       outputs: each request's answer ids.
+      request_emitted, request_rounds: each request's emitted tokens and counted rounds, in
+        prompt order (what `acceptance_interval` resamples).
     """
 
     acceptance_length: float
@@ -60,11 +63,39 @@ class AcceptanceResult:
     wall_s: float
     compile_s: float
     outputs: list[list[int]]
+    request_emitted: list[int] = dataclasses.field(default_factory=list)
+    request_rounds: list[int] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.pop("outputs")
+        for per_request in ("outputs", "request_emitted", "request_rounds"):
+            out.pop(per_request)
         return out
+
+
+def acceptance_interval(result: AcceptanceResult, baseline: AcceptanceResult | None = None, *,
+                        level: float = 0.95, samples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of `result`'s acceptance length, or of its ratio to `baseline`'s.
+
+    The prompts are the sampling unit: each resample draws requests with replacement and
+    recomputes `sum(emitted) / sum(rounds)`. With a baseline measured on the same prompts
+    the draws are paired (the same requests for both), so what two drafters share (an
+    easy prompt, a long answer) cancels in the ratio. Percentile interval at `level`.
+    """
+    e = np.asarray(result.request_emitted, np.float64)
+    r = np.asarray(result.request_rounds, np.float64)
+    if e.size == 0 or e.shape != r.shape:
+        raise ValueError(f"result: needs per-request counts (got {e.size} emitted, {r.size} rounds)")
+    idx = np.random.default_rng(seed).integers(0, e.size, (samples, e.size))
+    stat = e[idx].sum(1) / np.maximum(r[idx].sum(1), 1.0)
+    if baseline is not None:
+        be = np.asarray(baseline.request_emitted, np.float64)
+        br = np.asarray(baseline.request_rounds, np.float64)
+        if be.shape != e.shape or br.shape != e.shape:
+            raise ValueError(f"baseline: needs counts for the same {e.size} requests (got {be.size})")
+        stat = stat / (be[idx].sum(1) / np.maximum(br[idx].sum(1), 1.0))
+    lo, hi = np.quantile(stat, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -216,6 +247,8 @@ def measure_acceptance(
     accepted = np.zeros(g, np.int64)
     wall = compile_s = 0.0
     outputs: list[list[int]] = []
+    request_emitted: list[int] = []
+    request_rounds: list[int] = []
     for k, start in enumerate(range(0, len(prompts), batch_size)):
         batch = [list(p) for p in prompts[start:start + batch_size]]
         real = len(batch)
@@ -226,6 +259,8 @@ def measure_acceptance(
         accepted += r["accepted"][:real].sum(axis=0)
         tokens += sum(len(o) for o in r["outputs"][:real])
         outputs += r["outputs"][:real]
+        request_emitted += [int(x) for x in r["emitted"][:real]]
+        request_rounds += [int(x) for x in r["rounds"][:real]]
         wall += r["wall_s"]
         compile_s += r["compile_s"]
     per_pos = accepted / max(rounds, 1)
@@ -242,4 +277,6 @@ def measure_acceptance(
         wall_s=float(wall),
         compile_s=float(compile_s),
         outputs=outputs,
+        request_emitted=request_emitted,
+        request_rounds=request_rounds,
     )
