@@ -73,3 +73,11 @@ def test_busy_time_sums_gpu_stream_events_and_skips_derived_lines_and_the_host()
 def test_busy_time_is_none_without_a_gpu_in_the_trace():
     sets = [(jnp.full((8,), float(i)),) for i in range(3)]
     assert timing.device_busy_us(lambda x: x * 2 + 1, sets) is None
+
+
+def test_call_times_gives_the_per_call_time_and_no_busy_time_on_the_cpu():
+    sets = [(jnp.full((64,), float(i)),) for i in range(3)]
+    per_call, busy = timing.call_times(lambda x: jnp.sin(x) * 2, sets, reps=3)
+    assert per_call > 0 and busy is None
+    with pytest.raises(ValueError, match="at least 2 sets"):
+        timing.call_times(lambda x: x, sets[:1])

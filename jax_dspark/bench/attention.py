@@ -135,7 +135,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
 
     def kernel_us(variant, sets):
         with _kernels.attention_kernel(variant):
-            return timing.per_call_us(_op("kernel"), sets), timing.device_busy_us(_op("kernel"), sets)
+            return timing.call_times(_op("kernel"), sets)
     cases = []
     for case, kv_dtype in [(c, k) for k in KV_DTYPES for c in CASES]:
         if only and only.lower() not in f"{case.name} {kv_dtype}".lower():
@@ -143,8 +143,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         sets = make_inputs(case, max(kernel_sets, xla_sets), kv_dtype=kv_dtype)
         flops = 4.0 * case.B * case.S * case.H * case.K * D
         kv_bytes = float(case.B * case.K * ROW_BYTES[kv_dtype])
-        xla_us = timing.per_call_us(_op("reference"), sets[:xla_sets])
-        xla_dev = timing.device_busy_us(_op("reference"), sets[:xla_sets])
+        xla_us, xla_dev = timing.call_times(_op("reference"), sets[:xla_sets])
         bound = "memory" if flops / kv_bytes < ridge else "compute"
         timed = [(v, *kernel_us(v, sets[:kernel_sets])) for v in variants] or [("mma", float("nan"), None)]
         for variant, us, dev in timed:

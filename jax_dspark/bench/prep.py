@@ -90,10 +90,8 @@ def run(json_path: str, commit: str | None = None, sets: int = 20, only: str | N
         rows = case.B * case.S * case.H
         out_bytes = rows * D * (1 if case.fp8_block else 2) + (rows * D // case.fp8_block if case.fp8_block else 0)
         nbytes = float(rows * D * 2 + out_bytes)
-        xla_us = timing.per_call_us(_op(case, "reference"), inputs)
-        kernel_us = timing.per_call_us(_op(case, "kernel"), inputs) if have_kernel else float("nan")
-        xla_dev = timing.device_busy_us(_op(case, "reference"), inputs)
-        kernel_dev = timing.device_busy_us(_op(case, "kernel"), inputs) if have_kernel else None
+        xla_us, xla_dev = timing.call_times(_op(case, "reference"), inputs)
+        kernel_us, kernel_dev = timing.call_times(_op(case, "kernel"), inputs) if have_kernel else (float("nan"), None)
         tbps = nbytes / (kernel_us * 1e-6) / 1e12
         row = dict(
             name=case.name, B=case.B, S=case.S, H=case.H, D=D, rope_dim=ROPE, fp8_block=case.fp8_block,

@@ -44,31 +44,27 @@ def median_wall_s(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(samples)
 
 
-def per_call_us(fn: Callable, input_sets: Sequence[tuple], reps: int = 15) -> float:
-    """Median device time of `fn(*inputs)` in microseconds (see module docstring)."""
-    n = len(input_sets)
-    if n < 2:
-        raise ValueError(f"input_sets: need at least 2 sets (got {n})")
+def _n_call_executable(fn: Callable, input_sets: Sequence[tuple]):
+    """`fn` over every input set in one jitted executable, compiled and warmed up."""
     many = jax.jit(lambda sets: [fn(*s) for s in sets])
-    one = jax.jit(lambda sets: [fn(*s) for s in sets])
     sets = list(input_sets)
-    first = sets[:1]
     for _ in range(2):  # compile + warm up
         jax.block_until_ready(many(sets))
+    return many, sets
+
+
+def _per_call(fn: Callable, many, sets: list, reps: int) -> float:
+    n = len(sets)
+    one = jax.jit(lambda sets: [fn(*s) for s in sets])
+    first = sets[:1]
+    for _ in range(2):
         jax.block_until_ready(one(first))
     t_many = median_wall_s(lambda: many(sets), reps)
     t_one = median_wall_s(lambda: one(first), reps)
     return max(t_many - t_one, 1e-9) / (n - 1) * 1e6
 
 
-def device_busy_us(fn: Callable, input_sets: Sequence[tuple]) -> float | None:
-    """GPU busy time of `fn(*inputs)` per call in microseconds: one profiled run of the
-    N-call executable of `per_call_us`, summed stream events (kernels, copies) / N. None
-    when the trace holds no GPU stream events (no GPU, or the profiler cannot see it)."""
-    sets = list(input_sets)
-    many = jax.jit(lambda sets: [fn(*s) for s in sets])
-    for _ in range(2):  # compile + warm up
-        jax.block_until_ready(many(sets))
+def _busy(many, sets: list) -> float | None:
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         try:
@@ -80,6 +76,34 @@ def device_busy_us(fn: Callable, input_sets: Sequence[tuple]) -> float | None:
             return None
         busy_ns = stream_busy_ns(jax.profiler.ProfileData.from_file(files[0]).planes)
     return busy_ns / len(sets) / 1e3 if busy_ns > 0 else None
+
+
+def _check_sets(input_sets: Sequence[tuple]) -> None:
+    if len(input_sets) < 2:
+        raise ValueError(f"input_sets: need at least 2 sets (got {len(input_sets)})")
+
+
+def per_call_us(fn: Callable, input_sets: Sequence[tuple], reps: int = 15) -> float:
+    """Median device time of `fn(*inputs)` in microseconds (see module docstring)."""
+    _check_sets(input_sets)
+    many, sets = _n_call_executable(fn, input_sets)
+    return _per_call(fn, many, sets, reps)
+
+
+def device_busy_us(fn: Callable, input_sets: Sequence[tuple]) -> float | None:
+    """GPU busy time of `fn(*inputs)` per call in microseconds: one profiled run of the
+    N-call executable of `per_call_us`, summed stream events (kernels, copies) / N. None
+    when the trace holds no GPU stream events (no GPU, or the profiler cannot see it)."""
+    many, sets = _n_call_executable(fn, input_sets)
+    return _busy(many, sets)
+
+
+def call_times(fn: Callable, input_sets: Sequence[tuple], reps: int = 15) -> tuple[float, float | None]:
+    """`(per_call_us, device_busy_us)` of `fn` from ONE compilation of the N-call executable
+    (what the benchmarks record for every case)."""
+    _check_sets(input_sets)
+    many, sets = _n_call_executable(fn, input_sets)
+    return _per_call(fn, many, sets, reps), _busy(many, sets)
 
 
 def stream_busy_ns(planes) -> int:
