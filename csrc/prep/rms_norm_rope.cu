@@ -1,9 +1,11 @@
 // Fused q/kv preparation: RMSNorm (optional weight) -> interleaved RoPE on the last R dims
 // (forward or inverse) -> optional FP8 e4m3 with power-of-two (UE8M0) block scales.
 //
-// Memory-bound and tiny per row, so it is a plain warp-per-row kernel: 16-byte loads of
-// 8 elements per lane, the row kept in registers (D <= 2048), one pass over memory. No tensor
-// cores, no shared memory: nothing to amortise. It reproduces the reference composition
+// Memory-bound and tiny per row: one warp per row, 8 elements per lane per 16-byte vector,
+// the row in registers (D <= 2048), one pass over memory, no tensor cores. Rows of at most
+// 1 KB stream through a shared-memory ring filled by the bulk copy engine (the stream
+// kernel), wider ones load straight to registers (the register kernel); both share
+// load_freqs / finish_row. It reproduces the reference composition
 // quantize_fp8(apply_rope(rms_norm(x, w), freqs), block) including its intermediate roundings
 // to x's dtype, so the FP8 blocks see the same values the reference quantises.
 #include <cuda_bf16.h>
@@ -184,8 +186,8 @@ __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t r
   }
 }
 
-// Rows of up to 2048 elements: one warp per row, the row loaded straight to registers.
-// CHUNKS = ceil(D / 256) (1, 2, 4 or 8) is a template argument so a row costs only the
+// Rows of over 1 KB, up to 2048 elements: one warp per row, loaded straight to registers.
+// CHUNKS = ceil(D / 256) (2, 4 or 8) is a template argument so a row costs only the
 // registers its width needs. The row and its (cos, sin) pairs are loaded before the first is
 // used, so each warp waits for DRAM once; the weight, shared by many rows and so an L1 / L2
 // hit, is read only when applied.
@@ -206,11 +208,11 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
 }
 
 // Rows of at most 1 KB (bf16 D <= 512, f32 D <= 256: every V4 / DSpark q and kv row): the
-// register kernel keeps only one row per warp in flight (32 warps x 1 KB per SM at its 56
-// registers), which measured 2.8 TB/s of 4.1 on the H200. Here a persistent block streams
-// groups of 8 consecutive rows (8 KB, contiguous) through a 4-stage ring in shared memory
-// with the bulk copy engine: thread 0 keeps 4 groups in flight per block, so the bytes in
-// flight no longer cost registers. Each warp takes its row of the group from shared memory;
+// register kernel keeps only one row per warp in flight (32 warps x 1 KB per SM at the 56
+// registers it had at ae018d1), which measured 2.8 TB/s of 4.1 on the H200. Here a
+// persistent block streams groups of 8 consecutive rows (8 KB, contiguous) through a
+// 4-stage ring in shared memory with the bulk copy engine: thread 0 keeps 4 groups in flight
+// per block, so the bytes in flight no longer cost registers. Each warp takes its row of the group from shared memory;
 // one CTA barrier per group releases the stage to the next copy. The (cos, sin) pairs of a
 // warp's next row are loaded one group ahead (per-row tables, as for kv, come from DRAM).
 constexpr int kStreamStages = 4;
@@ -219,7 +221,7 @@ constexpr int kStreamBlocksPerSm = 3;  // guaranteed by the launch bounds: 3 x 3
 
 template <typename T, int CHUNKS>
 __global__ void __launch_bounds__(256, kStreamBlocksPerSm) rms_norm_rope_stream_kernel(const RmsNormRopeParams p) {
-  static_assert(CHUNKS * kChunk * sizeof(T) <= 2 * kStreamRowBytes, "");
+  static_assert(CHUNKS * kChunk * sizeof(T) <= kStreamRowBytes, "a warp's row must fit its 1 KB slot of the ring");
   __shared__ alignas(128) uint8_t ring[kStreamStages][8 * kStreamRowBytes];
   __shared__ alignas(8) uint64_t full[kStreamStages];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
