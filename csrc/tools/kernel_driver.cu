@@ -387,6 +387,24 @@ static int memcheck(int sms) {
   return failures ? 1 : 0;
 }
 
+// Device time per launch in microseconds: `launch(i)` for i < iters between two CUDA events
+// on the default stream.
+template <class Launch>
+static double event_us(int iters, Launch&& launch) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) launch(i);
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms * 1e3 / iters;
+}
+
 static int bench(int sms, const char* only) {
   const AttnCase cases[] = {
       {"V4-Flash CSA decode", 64, 1, 64, 640, 0, 64 * 640, 0, 0.f, true, false, false},
@@ -407,17 +425,7 @@ static int bench(int sms, const char* only) {
     for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true, true));
     for (int i = 0; i < 3; ++i) CK(run_attn(sets[i % kSets].p, 0));
     CK(cudaDeviceSynchronize());
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    const int iters = 40;
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) CK(run_attn(sets[i % kSets].p, 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    const double us = ms * 1e3 / iters;
+    const double us = event_us(40, [&](int i) { CK(run_attn(sets[i % kSets].p, 0)); });
     const double row_main = c.fp8_main ? 584.0 : 1024.0, row_extra = c.fp8_extra ? 584.0 : 1024.0;
     const double bytes = double(c.B) * (c.K * row_main + c.K2 * row_extra);
     const double flops = 4.0 * c.B * c.S * c.H * (c.K + c.K2) * 512.0;
@@ -456,25 +464,13 @@ static int bench_prep(int sms, const char* only) {
       p.rows = rows, p.dim = D, p.rope_dim = R, p.weight_groups = 1, p.freq_rows = c.positions;
       p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = jds::PrepDType::kBF16, p.sms = sms;
     }
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    float ms = 0, copy_ms = 0;
     for (int i = 0; i < 3; ++i) CK(jds::run_rms_norm_rope(sets[i % kSets], 0));
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) CK(jds::run_rms_norm_rope(sets[i % kSets], 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    const double us = event_us(iters, [&](int i) { CK(jds::run_rms_norm_rope(sets[i % kSets], 0)); });
     // the copy ceiling at this size: a device copy of y's bytes (read + written)
     const size_t copy_bytes = c.block ? n : n * 2;  // the size of y
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i)
+    const double copy_us = event_us(iters, [&](int i) {
       CK(cudaMemcpyAsync(sets[i % kSets].y, sets[(i + 1) % kSets].x, copy_bytes, cudaMemcpyDeviceToDevice, 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaEventElapsedTime(&copy_ms, e0, e1));
-    const double us = ms * 1e3 / iters, copy_us = copy_ms * 1e3 / iters;
+    });
     const double bytes = double(n) * 2 + double(out_bytes);
     std::printf("{\"name\": \"%s\", \"rows\": %lld, \"kernel_event_us\": %.2f, \"TBps\": %.3f, "
                 "\"copy_event_us\": %.2f, \"copy_TBps\": %.3f}\n",
