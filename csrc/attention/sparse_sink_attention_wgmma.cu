@@ -158,6 +158,16 @@ __device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams
   return issued;
 }
 
+// A thread's nope chunk i (8 e4m3 values) as 8 bf16, scaled by its 64-dim block's UE8M0
+// byte: chunk phase + 4i covers dims 8 (phase + 4i) .., block i / 2 since phase < 4.
+__device__ __forceinline__ uint4 expanded_chunk(uint2 v, uint2 scale, int i) {
+  const int block = i >> 1;
+  const uint32_t byte = ((block < 4 ? scale.x : scale.y) >> (8 * (block & 3))) & 0xFFu;
+  const float sc = ue8m0_scale(byte);
+  return make_uint4(e4m3x2_to_bf16x2(v.x, sc), e4m3x2_to_bf16x2(v.x >> 16, sc), e4m3x2_to_bf16x2(v.y, sc),
+                    e4m3x2_to_bf16x2(v.y >> 16, sc));
+}
+
 // The issuing thread's 14 nope chunks of its FP8 row, staged in place (e4m3) -> tile (bf16):
 // all 14 into registers first, since expanding chunk i overwrites where chunks 2i, 2i + 1 wait.
 [[maybe_unused]] __device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row, int phase, uint2 scale) {
@@ -170,16 +180,8 @@ __device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams
     staged[2 * i + 1] = make_uint2(v.z, v.w);
   }
 #pragma unroll
-  for (int i = 0; i < kNopeChunks / 4; ++i) {
-    const int chunk = phase + 4 * i;
-    const int block = i >> 1;  // (phase + 4 i) * 8 dims / 64 per scale = i / 2, as phase < 4
-    const uint32_t byte = ((block < 4 ? scale.x : scale.y) >> (8 * (block & 3))) & 0xFFu;
-    const float sc = ue8m0_scale(byte);
-    const uint2 v = staged[i];
-    *reinterpret_cast<uint4*>(base + chunk_offset(row, chunk)) =
-        make_uint4(e4m3x2_to_bf16x2(v.x, sc), e4m3x2_to_bf16x2(v.x >> 16, sc), e4m3x2_to_bf16x2(v.y, sc),
-                   e4m3x2_to_bf16x2(v.y >> 16, sc));
-  }
+  for (int i = 0; i < kNopeChunks / 4; ++i)
+    *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = expanded_chunk(staged[i], scale, i);
 }
 
 // Diagnostic / experimental build (cmake -DJAX_DSPARK_FP8_EXPAND_UNDER_PV=ON): the FP8
@@ -202,12 +204,7 @@ constexpr bool kExpandUnderPv = JDS_FP8_EXPAND_UNDER_PV != 0;
 #pragma unroll
   for (int i = kNopeChunks / 4 - 1; i >= 0; --i) {
     const uint2 v = *reinterpret_cast<const uint2*>(base + staged_fp8_offset(row, phase, i));
-    const int block = i >> 1;
-    const uint32_t byte = ((block < 4 ? scale.x : scale.y) >> (8 * (block & 3))) & 0xFFu;
-    const float sc = ue8m0_scale(byte);
-    *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) =
-        make_uint4(e4m3x2_to_bf16x2(v.x, sc), e4m3x2_to_bf16x2(v.x >> 16, sc), e4m3x2_to_bf16x2(v.y, sc),
-                   e4m3x2_to_bf16x2(v.y >> 16, sc));
+    *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = expanded_chunk(v, scale, i);
   }
 }
 
