@@ -76,6 +76,8 @@ def test_paired_ratio_interval_cancels_what_both_drafters_share():
     assert acceptance_interval(a)[0] < acceptance_interval(b)[1]
     with pytest.raises(ValueError, match="same 32 requests"):
         acceptance_interval(a, _counts(base[:8], rounds[:8]))
+    with pytest.raises(ValueError, match="level"):
+        acceptance_interval(a, level=95)
 
 
 def test_plain_decoding_has_acceptance_length_one_and_counts_tokens_to_eos(target):

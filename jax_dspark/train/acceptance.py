@@ -82,6 +82,10 @@ def acceptance_interval(result: AcceptanceResult, baseline: AcceptanceResult | N
     the draws are paired (the same requests for both), so what two drafters share (an
     easy prompt, a long answer) cancels in the ratio. Percentile interval at `level`.
     """
+    if not 0 < level < 1:
+        raise ValueError(f"level: must be in (0, 1) (got {level!r})")
+    if samples < 1:
+        raise ValueError(f"samples: must be >= 1 (got {samples!r})")
     e = np.asarray(result.request_emitted, np.float64)
     r = np.asarray(result.request_rounds, np.float64)
     if e.size == 0 or e.shape != r.shape:
