@@ -34,6 +34,18 @@ def test_code_methods_add_class_method_prompts_whose_source_parses():
             ast.parse(p.split("```python\n", 1)[1].rsplit("\n```", 1)[0])
 
 
+def test_code_stubs_add_implement_prompts_whose_code_is_signature_and_docstring_only():
+    import ast
+
+    plain = prompts.training_prompts(3000, seed=0, mix=(0, 1, 0))
+    more = prompts.training_prompts(3000, seed=0, mix=(0, 1, 0), code_stubs=True)
+    stubs = [p for p in more if p.startswith("Implement this Python function")]
+    assert len(stubs) > 0.25 * len(more) and len(more) > 1.3 * len(plain)
+    for p in stubs:
+        (fn,) = ast.parse(p.split("```python\n", 1)[1].rsplit("\n```", 1)[0]).body
+        assert isinstance(fn, ast.FunctionDef) and len(fn.body) == 1 and ast.get_docstring(fn)
+
+
 @pytest.mark.parametrize("mix", [(1, 1), (-1, 1, 1), (0, 0, 0)])
 def test_training_prompts_reject_a_bad_mix(mix):
     with pytest.raises(ValueError, match="mix"):

@@ -151,16 +151,31 @@ def _stdlib_functions(limit_files: int, seed: int, methods: bool = False) -> tup
     return tuple(found)
 
 
-def code_prompts(rng: random.Random, n: int, *, methods: bool = False) -> Iterator[str]:
+def _stub(source: str) -> str:
+    """`source` (one function's dedented text) cut after its docstring: the signature and
+    the documentation, no body."""
+    fn = ast.parse(source).body[0]
+    return "\n".join(source.splitlines()[: fn.body[0].end_lineno])
+
+
+def code_prompts(rng: random.Random, n: int, *, methods: bool = False, stubs: bool = False) -> Iterator[str]:
+    """Write-this-function and explain-this-function prompts over documented stdlib
+    functions; with `stubs`, a third kind gives the signature and whole docstring as code
+    to implement (the shape of a HumanEval task, none of its problems)."""
     funcs = list(_stdlib_functions(400, rng.randrange(2**31), methods))
     rng.shuffle(funcs)
-    # Each function first as one kind of prompt, then (once all are used) as the other kind.
-    for i in range(min(n, 2 * len(funcs))):
+    kinds = 3 if stubs else 2
+    # Each function first as one kind of prompt, then (once all are used) as the next kind.
+    for i in range(min(n, kinds * len(funcs))):
         sig, doc, source = funcs[i % len(funcs)]
-        if (i + i // len(funcs)) % 2 == 0:
+        # Two kinds keep the order of the runs that had only two (same prompts per seed).
+        kind = (i % len(funcs) + i // len(funcs)) % 3 if stubs else (i + i // len(funcs)) % 2
+        if kind == 0:
             yield f"Write a Python function `{sig}`. It should do the following: {doc}"
-        else:
+        elif kind == 1:
             yield f"Explain what this Python function does:\n```python\n{source}\n```"
+        else:
+            yield f"Implement this Python function; its docstring says what it must do:\n```python\n{_stub(source)}\n```"
 
 
 def instruction_prompts(rng: random.Random, n: int) -> Iterator[str]:
@@ -170,13 +185,14 @@ def instruction_prompts(rng: random.Random, n: int) -> Iterator[str]:
 
 
 def training_prompts(n: int, *, seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.35, 0.25),
-                     code_methods: bool = False) -> list[str]:
+                     code_methods: bool = False, code_stubs: bool = False) -> list[str]:
     """`n` distinct prompts: math / code / instructions in proportion `mix`, shuffled.
 
-    A source that runs out of distinct prompts (code: two per documented stdlib function;
-    instructions: tasks x topics) yields fewer than its share. `code_methods` adds the
-    stdlib classes' documented methods to the code source (the default, off, keeps the
-    prompts of earlier runs reproducible).
+    A source that runs out of distinct prompts (code: two per documented stdlib function,
+    three with `code_stubs`; instructions: tasks x topics) yields fewer than its share.
+    `code_methods` adds the stdlib classes' documented methods to the code source and
+    `code_stubs` the implement-this-stub prompts (the defaults, off, keep the prompts of
+    earlier runs reproducible).
     """
     if n < 1:
         raise ValueError(f"n: must be >= 1 (got {n})")
@@ -189,7 +205,7 @@ def training_prompts(n: int, *, seed: int = 0, mix: tuple[float, float, float] =
     counts[0] += n - sum(counts)
     seen: set[str] = set()
     out: list[str] = []
-    code = functools.partial(code_prompts, methods=code_methods)
+    code = functools.partial(code_prompts, methods=code_methods, stubs=code_stubs)
     for source, count in zip((math_prompts, code, instruction_prompts), counts):
         for prompt in source(rng, count * 3):
             if len(out) >= n or count <= 0:
