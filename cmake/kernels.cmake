@@ -57,11 +57,6 @@ set(JAX_DSPARK_MBAR_TIMEOUT_CYCLES "" CACHE STRING
 if(JAX_DSPARK_MBAR_TIMEOUT_CYCLES)
   target_compile_definitions(jax_dspark_objs PRIVATE JDS_MBAR_TIMEOUT_CYCLES=${JAX_DSPARK_MBAR_TIMEOUT_CYCLES})
 endif()
-option(JAX_DSPARK_FP8_EXPAND_UNDER_PV
-       "experimental build: FP8 attention rows expanded under the previous tile's P V wgmmas (not yet run on a GPU)" OFF)
-if(JAX_DSPARK_FP8_EXPAND_UNDER_PV)
-  target_compile_definitions(jax_dspark_objs PRIVATE JDS_FP8_EXPAND_UNDER_PV=1)
-endif()
 target_include_directories(jax_dspark_objs PRIVATE
   "${CMAKE_CURRENT_SOURCE_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc")
 target_include_directories(jax_dspark_objs SYSTEM PRIVATE
@@ -106,7 +101,4 @@ if(JAX_DSPARK_BUILD_DRIVER)
   target_include_directories(kernel_driver PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/csrc")
   target_compile_options(kernel_driver PRIVATE ${_jds_gencode} -O3)
   target_link_libraries(kernel_driver PRIVATE CUDA::cudart_static)
-  if(JAX_DSPARK_FP8_EXPAND_UNDER_PV)
-    target_compile_definitions(kernel_driver PRIVATE JDS_FP8_EXPAND_UNDER_PV=1)
-  endif()
 endif()

@@ -170,7 +170,7 @@ __device__ __forceinline__ uint4 expanded_chunk(uint2 v, uint2 scale, int i) {
 
 // The issuing thread's 14 nope chunks of its FP8 row, staged in place (e4m3) -> tile (bf16):
 // all 14 into registers first, since expanding chunk i overwrites where chunks 2i, 2i + 1 wait.
-[[maybe_unused]] __device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row, int phase, uint2 scale) {
+__device__ __forceinline__ void expand_fp8_row(uint8_t* smem, int stage, int row, int phase, uint2 scale) {
   uint8_t* base = smem + kOffKV + stage * kTileBytes;
   uint2 staged[kNopeChunks / 4];
 #pragma unroll
@@ -182,30 +182,6 @@ __device__ __forceinline__ uint4 expanded_chunk(uint2 v, uint2 scale, int i) {
 #pragma unroll
   for (int i = 0; i < kNopeChunks / 4; ++i)
     *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = expanded_chunk(staged[i], scale, i);
-}
-
-// Diagnostic / experimental build (cmake -DJAX_DSPARK_FP8_EXPAND_UNDER_PV=ON): the FP8
-// instantiation expands tile t + 1's row while tile t's P V wgmmas run (between their commit
-// and their wait) instead of at the top of iteration t + 1, walking the staged chunks
-// downwards (expand_fp8_row_descending) so it holds one staged slot at a time, not 14. The
-// release build is unchanged (SASS of both instantiations identical with the option off).
-// Not yet run on a GPU (docs/kernels.md, Next steps 3b).
-#ifndef JDS_FP8_EXPAND_UNDER_PV
-#define JDS_FP8_EXPAND_UNDER_PV 0
-#endif
-constexpr bool kExpandUnderPv = JDS_FP8_EXPAND_UNDER_PV != 0;
-
-// expand_fp8_row in place with 2 staged registers live instead of 28: chunk i goes to bf16
-// slot i, which holds staged chunks 2i and 2i + 1 (slots 0 .. 6 hold all 14). Walking i
-// from 13 down, both are already expanded when slot i is overwritten (2i > i for i >= 1),
-// and chunk 0 is read before its own slot is written.
-[[maybe_unused]] __device__ __forceinline__ void expand_fp8_row_descending(uint8_t* smem, int stage, int row, int phase, uint2 scale) {
-  uint8_t* base = smem + kOffKV + stage * kTileBytes;
-#pragma unroll
-  for (int i = kNopeChunks / 4 - 1; i >= 0; --i) {
-    const uint2 v = *reinterpret_cast<const uint2*>(base + staged_fp8_offset(row, phase, i));
-    *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = expanded_chunk(v, scale, i);
-  }
 }
 
 // The tile math both instantiations share. Fragment layout (m64nN accumulator, per thread):
@@ -291,9 +267,8 @@ __device__ __forceinline__ void p_fragments(const float (&sc)[4 * kJ], const flo
 
 // O[:, 256c .. 256c + 255] += P V: kSteps k16 steps over the tile's keys, V columns of
 // warpgroup c from v_base (the tile's column block 4c).
-// Issue and commit; pv_tile_wait completes it (work between the two overlaps the wgmmas).
 template <int kSteps>
-__device__ __forceinline__ void pv_tile_issue(float (&o)[32][4], const uint32_t (&pa)[4][4], uint32_t v_base) {
+__device__ __forceinline__ void pv_tile(float (&o)[32][4], const uint32_t (&pa)[4][4], uint32_t v_base) {
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
@@ -301,9 +276,6 @@ __device__ __forceinline__ void pv_tile_issue(float (&o)[32][4], const uint32_t 
     wgmma_m64n256k16_rs_tb(o, pa[ks], dv, 1);
   }
   wgmma_commit();
-}
-
-__device__ __forceinline__ void pv_tile_wait(float (&o)[32][4]) {
   wgmma_wait<0>();
 #pragma unroll
   for (int n = 0; n < 32; ++n) {
@@ -368,9 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     // t - 1's math (its wgmmas waited for, its swap-area reads done), so tile t + 1 may be
     // gathered into the other stage while tile t is computed.
     cp_async_wait<0>();
-    if constexpr (kFp8 && kExpandUnderPv) {  // tile 0 only: later tiles were expanded under P V
-      if (in_flight.fp8) expand_fp8_row_descending(smem, stage, row, phase, in_flight.scale);
-    } else if constexpr (kFp8) {
+    if constexpr (kFp8) {
       if (in_flight.fp8) expand_fp8_row(smem, stage, row, phase, in_flight.scale);
     }
     fence_proxy_async_smem();  // its plain and cp.async stores, before wgmma reads them
@@ -426,13 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
       for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
         for (int r = 0; r < 4; ++r) pa[ks][r] = ((ks >> 1) == c) ? pown[ks & 1][r] : poth[ks & 1][r];
-      pv_tile_issue<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);  // all 64 keys (a short tile: its first 16)
-      if constexpr (kFp8 && kExpandUnderPv) {  // tile t + 1 (gathered above) into the other stage
-        cp_async_wait<0>();
-        if (in_flight.fp8) expand_fp8_row_descending(smem, stage ^ 1, row, phase, in_flight.scale);
-        in_flight.fp8 = false;
-      }
-      pv_tile_wait(o);
+      pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);  // all 64 keys (a short tile: its first 16)
     };
     if (tile_rows <= 16)
       tile_math(std::true_type{});
