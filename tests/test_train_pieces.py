@@ -46,6 +46,19 @@ def test_code_stubs_add_implement_prompts_whose_code_is_signature_and_docstring_
         assert isinstance(fn, ast.FunctionDef) and len(fn.body) == 1 and ast.get_docstring(fn)
 
 
+def test_reproduce_command_names_code_stubs_only_when_set():
+    import argparse
+
+    from jax_dspark.commands import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    command = lambda *extra: train.reproduce_command(  # noqa: E731
+        parser.parse_args(["--out", "d", *extra]), steps=5, markov_rank=4, markov_factors="table", out="d")
+    assert "--code-stubs" not in command() and "--code-methods" not in command()
+    assert "--code-methods --code-stubs" in command("--code-methods", "--code-stubs")
+
+
 @pytest.mark.parametrize("mix", [(1, 1), (-1, 1, 1), (0, 0, 0)])
 def test_training_prompts_reject_a_bad_mix(mix):
     with pytest.raises(ValueError, match="mix"):
