@@ -46,7 +46,15 @@ def test_code_stubs_add_implement_prompts_whose_code_is_signature_and_docstring_
         assert isinstance(fn, ast.FunctionDef) and len(fn.body) == 1 and ast.get_docstring(fn)
 
 
-def test_reproduce_command_names_code_stubs_only_when_set():
+def test_text_extended_adds_distinct_instruction_kinds_and_keeps_the_plain_ones():
+    plain = prompts.training_prompts(5000, seed=0, mix=(0, 0, 1))
+    more = prompts.training_prompts(5000, seed=0, mix=(0, 0, 1), text_extended=True)
+    assert len(plain) < 3000 and len(more) == 5000  # the plain templates run out; the extended do not
+    assert sum(p.startswith("List every person, object and number") for p in more) > 200
+    assert sum(any(p.startswith(t.split("{")[0]) for t in prompts._TASKS if t.split("{")[0]) for p in more) > 1000
+
+
+def test_reproduce_command_names_the_prompt_source_flags_only_when_set():
     import argparse
 
     from jax_dspark.commands import train
@@ -55,8 +63,8 @@ def test_reproduce_command_names_code_stubs_only_when_set():
     train.add_arguments(parser)
     command = lambda *extra: train.reproduce_command(  # noqa: E731
         parser.parse_args(["--out", "d", *extra]), steps=5, markov_rank=4, markov_factors="table", out="d")
-    assert "--code-stubs" not in command() and "--code-methods" not in command()
-    assert "--code-methods --code-stubs" in command("--code-methods", "--code-stubs")
+    assert not any(f in command() for f in ("--code-methods", "--code-stubs", "--text-extended"))
+    assert "--code-methods --code-stubs --text-extended" in command("--code-methods", "--code-stubs", "--text-extended")
 
 
 @pytest.mark.parametrize("mix", [(1, 1), (-1, 1, 1), (0, 0, 0)])
@@ -74,7 +82,8 @@ def test_training_prompts_share_no_prompt_with_the_eval_sets():
                 for line in fh:
                     for turn in json.loads(line)["turns"]:
                         evals.add(turn.strip())
-    ours = prompts.training_prompts(2000, seed=0)
+    ours = prompts.training_prompts(2000, seed=0) + prompts.training_prompts(
+        2000, seed=1, code_methods=True, code_stubs=True, text_extended=True)
     assert not evals & {p.strip() for p in ours}
     # no eval question body appears inside a training prompt either
     bodies = {e.split("\n")[0][:80] for e in evals if len(e) > 40}

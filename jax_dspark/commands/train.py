@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="code prompts also from the stdlib classes' documented methods (about 3x as many)")
     d.add_argument("--code-stubs", action="store_true",
                    help="a third code prompt per function: implement its signature + docstring")
+    d.add_argument("--text-extended", action="store_true",
+                   help="instruction prompts also of the extended kinds (role play, extraction, puzzles, ...)")
     d.add_argument("--max-prompt-len", type=int, default=256)
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--seq-len", type=int, default=512)
@@ -105,7 +107,8 @@ def _build_data(args, target, encode, eos_ids):
     from jax_dspark.train.prompts import training_prompts
 
     texts = training_prompts(args.prompts, seed=args.prompt_seed, mix=tuple(args.prompt_mix),
-                             code_methods=args.code_methods, code_stubs=args.code_stubs)
+                             code_methods=args.code_methods, code_stubs=args.code_stubs,
+                             text_extended=args.text_extended)
     prompts = [p for p in (encode(t) for t in texts) if len(p) <= args.max_prompt_len]
     _log(f"{len(prompts)} prompts of {len(texts)} fit {args.max_prompt_len} tokens")
     batch = min(args.gen_batch, len(prompts))
@@ -126,8 +129,9 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
                       init: str | None = None) -> str:
     """The `jax-dspark train` command line that reruns one drafter's training with `steps`
     fixed (what a `--time-budget` run settled on). Options left at their defaults that
-    older runs did not have (`--prompt-mix`, `--code-methods`, `--code-stubs`, `--init`, `--more-data`) are
-    omitted, so earlier commands stay what they were. `--more-data` files are named as
+    older runs did not have (`--prompt-mix`, `--code-methods`, `--code-stubs`,
+    `--text-extended`, `--init`, `--more-data`) are omitted, so earlier commands stay what
+    they were. `--more-data` files are named as
     given: each is reproduced by the command of the run that saved it."""
     parts = ["jax-dspark", "train", "--target", args.target, "--out", out]
     if init is not None:
@@ -138,6 +142,8 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
         parts += ["--code-methods"]
     if args.code_stubs:
         parts += ["--code-stubs"]
+    if args.text_extended:
+        parts += ["--text-extended"]
     if args.more_data:
         parts += ["--more-data", *args.more_data]
     parts += ["--block-size", args.block_size, "--num-layers", args.num_layers,

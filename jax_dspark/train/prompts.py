@@ -178,21 +178,63 @@ def code_prompts(rng: random.Random, n: int, *, methods: bool = False, stubs: bo
             yield f"Implement this Python function; its docstring says what it must do:\n```python\n{_stub(source)}\n```"
 
 
-def instruction_prompts(rng: random.Random, n: int) -> Iterator[str]:
+_ROLES = ["tour guide", "science teacher", "chef", "detective", "librarian", "personal trainer", "museum curator",
+          "ship captain", "gardener", "astronaut", "journalist", "village baker", "park ranger", "game designer"]
+_CONSTRAINTS = ["in exactly three sentences", "in under 80 words", "as a numbered list", "without using the letter z",
+                "in the style of a news report", "for a five-year-old", "with one analogy per paragraph",
+                "as a short FAQ", "in a cheerful tone", "in a formal tone"]
+
+
+def _extended_instruction(rng: random.Random) -> str:
+    """One prompt of the extended instruction kinds: role play, extraction from a generated
+    text, ordering puzzles, rewriting under a constraint, critique, planning."""
+    a, b, c = rng.sample(_NAMES, 3)
+    topic = rng.choice(_TOPICS)
+    kind = rng.randrange(7)
+    if kind == 0:
+        return (f"You are a {rng.choice(_ROLES)}. Someone asks you about {topic}. "
+                f"Answer in character, {rng.choice(_CONSTRAINTS)}.")
+    if kind == 1:
+        problem = next(math_prompts(rng, 1))[: -len(MATH_SUFFIX)]
+        return f"List every person, object and number mentioned in this text as JSON, without solving it:\n{problem}"
+    if kind == 2:
+        more, most, least = rng.choice([("older", "oldest", "youngest"), ("taller", "tallest", "shortest"),
+                                        ("faster", "fastest", "slowest"), ("heavier", "heaviest", "lightest")])
+        return (f"{a} is {more} than {b}, and {b} is {more} than {c}. Order the three from {most} to {least} "
+                f"and explain your reasoning.")
+    if kind == 3:
+        return f"Explain {topic} {rng.choice(_CONSTRAINTS)}."
+    if kind == 4:
+        return (f"{a} claims that {topic} does not matter in everyday life. "
+                f"Write a short, fair critique of that claim, then give {a} one practical example.")
+    if kind == 5:
+        days = rng.randint(2, 7)
+        return f"Plan a {days}-day study schedule for {b}, who wants to understand {topic}. Keep each day to three tasks."
+    x, y = rng.choice(_PAIRS)
+    return f"Write a short dialogue in which {a} prefers {x} and {b} prefers {y}; end with a compromise."
+
+
+def instruction_prompts(rng: random.Random, n: int, *, extended: bool = False) -> Iterator[str]:
+    """Template instructions over topic lists; with `extended`, half of them from the
+    extended kinds (`_extended_instruction`), which widen what the text source covers."""
     for _ in range(n):
+        if extended and rng.random() < 0.5:
+            yield _extended_instruction(rng)
+            continue
         a, b = rng.choice(_PAIRS)
         yield rng.choice(_TASKS).format(topic=rng.choice(_TOPICS), a=a, b=b)
 
 
 def training_prompts(n: int, *, seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.35, 0.25),
-                     code_methods: bool = False, code_stubs: bool = False) -> list[str]:
+                     code_methods: bool = False, code_stubs: bool = False,
+                     text_extended: bool = False) -> list[str]:
     """`n` distinct prompts: math / code / instructions in proportion `mix`, shuffled.
 
     A source that runs out of distinct prompts (code: two per documented stdlib function,
     three with `code_stubs`; instructions: tasks x topics) yields fewer than its share.
-    `code_methods` adds the stdlib classes' documented methods to the code source and
-    `code_stubs` the implement-this-stub prompts (the defaults, off, keep the prompts of
-    earlier runs reproducible).
+    `code_methods` adds the stdlib classes' documented methods to the code source,
+    `code_stubs` the implement-this-stub prompts and `text_extended` the extended
+    instruction kinds (the defaults, off, keep the prompts of earlier runs reproducible).
     """
     if n < 1:
         raise ValueError(f"n: must be >= 1 (got {n})")
@@ -206,7 +248,8 @@ def training_prompts(n: int, *, seed: int = 0, mix: tuple[float, float, float] =
     seen: set[str] = set()
     out: list[str] = []
     code = functools.partial(code_prompts, methods=code_methods, stubs=code_stubs)
-    for source, count in zip((math_prompts, code, instruction_prompts), counts):
+    text = functools.partial(instruction_prompts, extended=text_extended)
+    for source, count in zip((math_prompts, code, text), counts):
         for prompt in source(rng, count * 3):
             if len(out) >= n or count <= 0:
                 break
