@@ -131,8 +131,8 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
     fixed (what a `--time-budget` run settled on). Options left at their defaults that
     older runs did not have (`--prompt-mix`, `--code-methods`, `--code-stubs`,
     `--text-extended`, `--init`, `--more-data`) are omitted, so earlier commands stay what
-    they were. `--more-data` files are named as
-    given: each is reproduced by the command of the run that saved it."""
+    they were. `--more-data` files are named as given: each is reproduced by the command of
+    the run that saved it."""
     parts = ["jax-dspark", "train", "--target", args.target, "--out", out]
     if init is not None:
         parts += ["--init", init]

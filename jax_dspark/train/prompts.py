@@ -7,9 +7,10 @@ prompts built here, from three offline sources that need no download:
 - math word problems generated from templates with random names, items and numbers (the
   style of grade-school math, none of its problems);
 - code prompts from the Python standard library installed with the interpreter: write a
-  function given its name, signature and the first line of its docstring, or explain a
-  short function's source;
-- general instructions from templates over topic word lists (explain, compare, list, write).
+  function given its name, signature and the first line of its docstring, explain a short
+  function's source, or (`code_stubs`) implement a signature + docstring;
+- general instructions from templates over topic word lists (explain, compare, list, write;
+  `text_extended` adds role play, extraction, puzzles, critique, plans, dialogues).
 
 Everything is deterministic in the seed.
 """
@@ -187,7 +188,8 @@ _CONSTRAINTS = ["in exactly three sentences", "in under 80 words", "as a numbere
 
 def _extended_instruction(rng: random.Random) -> str:
     """One prompt of the extended instruction kinds: role play, extraction from a generated
-    text, ordering puzzles, rewriting under a constraint, critique, planning."""
+    word problem, ordering puzzles, explanations under a constraint, critique, study plans,
+    dialogues."""
     a, b, c = rng.sample(_NAMES, 3)
     topic = rng.choice(_TOPICS)
     kind = rng.randrange(7)
