@@ -13,6 +13,11 @@ from jax_dspark.train import anchors, losses, prompts
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "prompts")
 
 
+def _code_block(prompt: str) -> str:
+    """The Python source inside a prompt's ```python fence."""
+    return prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+
+
 def test_training_prompts_are_deterministic_distinct_and_mixed():
     a = prompts.training_prompts(300, seed=3)
     assert a == prompts.training_prompts(300, seed=3)
@@ -31,7 +36,7 @@ def test_code_methods_add_class_method_prompts_whose_source_parses():
     assert methods
     for p in more:
         if p.startswith("Explain what this Python function does"):
-            ast.parse(p.split("```python\n", 1)[1].rsplit("\n```", 1)[0])
+            ast.parse(_code_block(p))
 
 
 def test_code_stubs_add_implement_prompts_whose_code_is_signature_and_docstring_only():
@@ -42,7 +47,7 @@ def test_code_stubs_add_implement_prompts_whose_code_is_signature_and_docstring_
     stubs = [p for p in more if p.startswith("Implement this Python function")]
     assert len(stubs) > 0.25 * len(more) and len(more) > 1.3 * len(plain)
     for p in stubs:
-        (fn,) = ast.parse(p.split("```python\n", 1)[1].rsplit("\n```", 1)[0]).body
+        (fn,) = ast.parse(_code_block(p)).body
         assert isinstance(fn, ast.FunctionDef) and len(fn.body) == 1 and ast.get_docstring(fn)
 
 
