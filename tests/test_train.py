@@ -47,7 +47,7 @@ def test_concat_sequences_keeps_every_row_in_order_and_refuses_other_widths():
         concat_sequences([a, _random_data(n=2, seq_len=48)])
 
 
-def test_train_command_records_more_data_and_the_lineage_of_init(tmp_path):
+def test_train_command_records_more_data_the_lineage_of_init_and_renamed_paths(tmp_path):
     from jax_dspark.cli import main
     from jax_dspark.train.data import load_sequences, save_sequences
 
@@ -66,18 +66,31 @@ def test_train_command_records_more_data_and_the_lineage_of_init(tmp_path):
     assert meta["training"]["sequences"] == new.num_sequences + 5
     assert f"--more-data {extra}" in meta["command"] and "lineage" not in meta
 
-    # Continued with --init: the new JSON carries the first run (command + summary) as its lineage.
+    # Continued with --init: the new JSON carries the first run (command + summary) as its lineage;
+    # --record-paths names the scratch paths in the command as the shipped ones.
     rc = main(["train", "--target", "tiny", "--data", str(tmp_path / "new.npz"), "--steps", "1",
                "--batch-size", "2", "--num-anchors", "2", "--block-size", "3", "--num-layers", "1",
-               "--intermediate-size", "32", "--markov-rank", "4", "--init", str(out), "--out", str(tmp_path / "e")])
+               "--intermediate-size", "32", "--markov-rank", "4", "--init", str(out), "--out", str(tmp_path / "e"),
+               "--more-data", str(extra), "--record-paths", f"{tmp_path / 'e'}=pkg/e", f"{extra}=extra.npz"])
     assert rc == 0
     later = json.loads((tmp_path / "e.json").read_text())
     assert later["lineage"] == [dict(command=meta["command"],
                                      training={k: v for k, v in meta["training"].items() if k != "history"})]
-    assert f"--init {out}" in later["command"]
+    assert f"--out pkg/e --init {out}" in later["command"] and "--more-data extra.npz" in later["command"]
+    assert str(tmp_path) not in later["command"].replace(str(out), "")
+    assert f"{extra} (recorded as extra.npz)" in later["paths_note"]
 
     with pytest.raises(ValueError, match="missing.npz"):
         main(["train", "--target", "tiny", "--more-data", str(tmp_path / "missing.npz"), "--out", str(out)])
+
+
+@pytest.mark.parametrize("pair, match", [("no-equals", "'no-equals' is not GIVEN=RECORDED"),
+                                         ("=x", "'=x' is not GIVEN"), ("other=x", r"\['other'\] is not a given")])
+def test_train_command_rejects_a_record_path_it_cannot_apply(tmp_path, pair, match):
+    from jax_dspark.cli import main
+
+    with pytest.raises(ValueError, match=match):
+        main(["train", "--target", "tiny", "--out", str(tmp_path / "d"), "--markov-rank", "4", "--record-paths", pair])
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

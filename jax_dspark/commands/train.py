@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "instead of random weights, to continue a training run")
     o.add_argument("--time-budget", type=float, help="seconds of training (compilation excluded); lowers --steps")
     o.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--record-paths", nargs="+", default=[], metavar="GIVEN=RECORDED",
+                        help="name a --out / --init / --more-data path in the recorded command as RECORDED "
+                        "(e.g. a device's scratch path as the shipped one); the JSON's paths_note lists the pairs")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
 
 
@@ -125,17 +128,30 @@ def _build_data(args, target, encode, eos_ids):
     return pack_sequences(all_prompts, all_answers, seq_len=args.seq_len)
 
 
+def recorded_paths(pairs: list[str]) -> dict[str, str]:
+    """`--record-paths GIVEN=RECORDED ...` as a dict; a pair without `=` or with an empty side
+    is an error that names it."""
+    out = {}
+    for pair in pairs:
+        given, sep, recorded = pair.partition("=")
+        if not sep or not given or not recorded:
+            raise ValueError(f"--record-paths: {pair!r} is not GIVEN=RECORDED")
+        out[given] = recorded
+    return out
+
+
 def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str, out: str,
                       init: str | None = None) -> str:
     """The `jax-dspark train` command line that reruns one drafter's training with `steps`
     fixed (what a `--time-budget` run settled on). Options left at their defaults that
     older runs did not have (`--prompt-mix`, `--code-methods`, `--code-stubs`,
     `--text-extended`, `--init`, `--more-data`) are omitted, so earlier commands stay what
-    they were. `--more-data` files are named as given: each is reproduced by the command of
-    the run that saved it."""
-    parts = ["jax-dspark", "train", "--target", args.target, "--out", out]
+    they were. `--more-data` files are named as given (each is reproduced by the command of
+    the run that saved it), or as `--record-paths` renames them, like `--out` and `--init`."""
+    rename = recorded_paths(getattr(args, "record_paths", []))
+    parts = ["jax-dspark", "train", "--target", args.target, "--out", rename.get(out, out)]
     if init is not None:
-        parts += ["--init", init]
+        parts += ["--init", rename.get(init, init)]
     if tuple(args.prompt_mix) != DEFAULT_MIX:
         parts += ["--prompt-mix", *args.prompt_mix]
     if args.code_methods:
@@ -145,7 +161,7 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
     if args.text_extended:
         parts += ["--text-extended"]
     if args.more_data:
-        parts += ["--more-data", *args.more_data]
+        parts += ["--more-data", *(rename.get(p, p) for p in args.more_data)]
     parts += ["--block-size", args.block_size, "--num-layers", args.num_layers,
               "--intermediate-size", args.intermediate_size, "--markov-rank", markov_rank,
               "--markov-factors", markov_factors,
@@ -203,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
     inits = args.init or [None] * len(args.markov_rank)
     if len(inits) != len(args.markov_rank):
         raise ValueError(f"--init: need one drafter per --markov-rank {args.markov_rank} (got {args.init})")
+    renamed = recorded_paths(args.record_paths)
+    unused = sorted(set(renamed) - {*args.out, *(args.init or []), *args.more_data}) if not args.data_only else []
+    if unused:
+        raise ValueError(f"--record-paths: {unused} is not a given --out / --init / --more-data path")
     missing = [p for p in args.more_data if not os.path.isfile(p)]
     if missing:  # before minutes of target loading and answer generation
         raise ValueError(f"--more-data: no such file(s) {missing}")
@@ -255,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if init is not None:
             meta["lineage"] = _lineage(init)
+        if renamed:
+            meta["paths_note"] = ("trained with " + ", ".join(f"{g} (recorded as {r})" for g, r in renamed.items())
+                                  + "; the command names the recorded paths")
         weights, info = save_drafter(drafter, out, meta)
         _log(f"wrote {weights} ({os.path.getsize(weights) / 2**20:.2f} MiB) and {info}")
         summaries.append(dict(weights=str(weights), info=str(info), **{k: v for k, v in meta["training"].items()
