@@ -309,6 +309,39 @@ class DSparkDrafter(nnx.Module):
         nnx.update(new, state)
         return new
 
+    def with_markov_rank(self, rank: int, *, rngs: nnx.Rngs) -> "DSparkDrafter":
+        """This drafter with its Markov head grown to `rank`, proposing what it proposed before.
+
+        The new columns of the head's first factor (`w1` / `p1`, the predecessor's
+        embedding) are random at the head's init scale; those of the second (`w2` / `p2`,
+        the logit side) and the confidence head's new `r` weights are zero, so the bias
+        `W1[prev] W2^T` and the confidence logit are unchanged until training moves them
+        (the second factor's new columns get gradient at once, the first's after them).
+        Growing from 0 adds a head whose bias starts at zero. This lets a trained drafter
+        continue with a larger head (`jax-dspark train --init` with a larger
+        `--markov-rank`) instead of starting over. Returns a new drafter; `self` is unchanged.
+        """
+        cur = self.config.markov_rank
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank <= cur:
+            raise ValueError(f"rank: must be an int above the current markov_rank {cur} (got {rank!r})")
+        config = dataclasses.replace(self.config, markov_rank=int(rank))
+        new = DSparkDrafter(config, rngs=rngs)
+        values = nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        grown = nnx.to_pure_dict(nnx.state(new, nnx.Param))
+        first, second = ("p1", "p2") if config.markov_factors == "embedding" else ("w1", "w2")
+        head = grown["markov"]
+        head[second] = jnp.zeros_like(head[second])
+        if cur:
+            head[first] = head[first].at[:, :cur].set(values["markov"][first])
+            head[second] = head[second].at[:, :cur].set(values["markov"][second])
+        values["markov"] = head
+        w = values["confidence"]["w"]
+        values["confidence"]["w"] = jnp.concatenate([w, jnp.zeros((rank - cur,), w.dtype)])
+        state = nnx.state(new, nnx.Param)
+        nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), values))
+        nnx.update(new, state)
+        return new
+
     # -- state ---------------------------------------------------------------------------
 
     def init_state(self, num_slots: int, max_len: int) -> DSparkState:

@@ -224,3 +224,21 @@ def test_embedding_markov_drafter_drafts_the_same_with_materialised_tables(llama
     np.testing.assert_allclose(b_logits, a_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(b_conf, a_conf, rtol=1e-4, atol=1e-4)
     assert tiny_dspark(llama_target.config, markov_rank=4).with_markov_tables(llama_target).config.markov_factors == "table"
+
+
+@pytest.mark.parametrize("factors, rank", [("embedding", 8), ("table", 8), ("embedding", 0)])
+def test_markov_rank_growth_keeps_what_the_drafter_proposes(llama_target, factors, rank):
+    small = tiny_dspark(llama_target.config, seed=7, markov_rank=rank, markov_factors=factors)
+    grown = small.with_markov_rank(rank + 5, rngs=nnx.Rngs(3))
+    first, second = ("p1", "p2") if factors == "embedding" else ("w1", "w2")
+    assert grown.config.markov_rank == rank + 5 and small.config.markov_rank == rank
+    assert np.any(np.asarray(getattr(grown.markov, first)[...])[:, rank:])          # new columns can learn
+    assert not np.any(np.asarray(getattr(grown.markov, second)[...])[:, rank:])     # ... from a zero bias
+    state = _commit(small, llama_target, small.init_state(B, MAX_LEN), _hiddens(9, S, llama_target.config),
+                    slots=[0, 1], starts=[0, 0], counts=[5, 8])
+    a_logits, a_conf = _draft(small, llama_target, state, lengths=[5, 8])
+    b_logits, b_conf = _draft(grown, llama_target, state, lengths=[5, 8])
+    np.testing.assert_allclose(b_logits, a_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b_conf, a_conf, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rank"):
+        grown.with_markov_rank(rank + 5, rngs=nnx.Rngs(0))

@@ -203,16 +203,22 @@ def test_shipped_drafters_fit_16_mib_and_load_with_block_7(name):
     assert (drafter.markov is None) == (name == "smollm2_markov_off")
 
 
-def test_init_continues_from_a_saved_drafter_and_rejects_another_config(tmp_path):
+def test_init_continues_from_a_saved_drafter_grows_its_markov_rank_and_rejects_another_config(tmp_path):
+    import dataclasses
+
     from jax_dspark.commands.train import _initial
 
     drafter = tiny_dspark(TINY, seed=5, block_size=3, num_layers=1, markov_rank=4, markov_factors="embedding")
     save_drafter(drafter, tmp_path / "d", {"command": "test"})
-    start = _initial(str(tmp_path / "d"), drafter.config)
-    np.testing.assert_array_equal(np.asarray(start.markov.p1[...]),
-                                  np.asarray(drafter.markov.p1[...]).astype(ml_dtypes.bfloat16).astype(np.float32))
-    import dataclasses
+    stored = np.asarray(drafter.markov.p1[...]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    start = _initial(str(tmp_path / "d"), drafter.config, 0)
+    np.testing.assert_array_equal(np.asarray(start.markov.p1[...]), stored)
+    grown = _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_rank=8), 0)
+    assert grown.config.markov_rank == 8 and grown.markov.p1.shape == (TINY.hidden_size, 8)
+    np.testing.assert_array_equal(np.asarray(grown.markov.p1[...])[:, :4], stored)
 
     with pytest.raises(ValueError, match="markov_rank"):
-        _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_rank=8))
+        _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_rank=2), 0)
+    with pytest.raises(ValueError, match="num_layers"):
+        _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, num_layers=2, markov_rank=8), 0)
 

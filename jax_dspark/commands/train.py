@@ -174,19 +174,26 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
     return " ".join(shlex.quote(str(p)) for p in parts)
 
 
-def _initial(init: str, config):
+def _initial(init: str, config, seed: int):
     """The drafter `init` (stored form, float32) as a starting point; its config must be
-    `config` (the one the command line asks for)."""
+    `config` (the one the command line asks for), except for a larger `markov_rank`: then
+    the head grows without changing what the drafter proposes
+    (`DSparkDrafter.with_markov_rank`, new columns drawn from `seed`)."""
     import dataclasses
+
+    from flax import nnx
 
     from jax_dspark.drafters import load_drafter
 
     drafter = load_drafter(init, dtype=config.dtype)
     want, got = dataclasses.asdict(config), dataclasses.asdict(drafter.config)
     diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+    if set(diff) == {"markov_rank"} and want["markov_rank"] > got["markov_rank"]:
+        _log(f"--init {init}: Markov head grown from rank {got['markov_rank']} to {want['markov_rank']}")
+        return drafter.with_markov_rank(want["markov_rank"], rngs=nnx.Rngs(seed))
     if diff:
         raise ValueError(f"--init: {init!r} has another config than the command line asks for "
-                         f"(field: (stored, asked)): {diff}")
+                         f"(field: (stored, asked)): {diff}; only a larger --markov-rank can differ")
     return drafter
 
 
@@ -256,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         config = DSparkConfig.for_target(
             target.config, block_size=args.block_size, num_layers=args.num_layers,
             intermediate_size=args.intermediate_size, markov_rank=rank, markov_factors=factor, dtype="float32")
-        drafters.append(DSparkDrafter(config, rngs=nnx.Rngs(args.seed)) if init is None else _initial(init, config))
+        drafters.append(DSparkDrafter(config, rngs=nnx.Rngs(args.seed)) if init is None else _initial(init, config, args.seed))
     _log(f"compiled the joint step of {len(drafters)} drafters in {precompile(target, drafters, data, tconf):.1f} s")
     _log("training " + ", ".join(f"markov_rank={r} ({f}) -> {o}" for r, f, o in zip(args.markov_rank, factors, args.out)))
     results = train_many(target, drafters, data, tconf, log=_log)
