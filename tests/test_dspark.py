@@ -213,16 +213,22 @@ def test_standalone_drafter_with_embedding_markov_head_is_lossless(llama_target,
     assert spec.stats.verify_rate == 1.0 and len(spec.stats.per_position_acceptance) == drafter.block_size
 
 
+def _assert_same_drafts(a, b, target, *, seed, counts, tol):
+    """Drafters `a` and `b` (same backbone) give the same draft and confidence logits on one
+    committed context of `counts` positions per slot (the state is built with `a`)."""
+    state = _commit(a, target, a.init_state(B, MAX_LEN), _hiddens(seed, S, target.config),
+                    slots=[0, 1], starts=[0, 0], counts=counts)
+    a_logits, a_conf = _draft(a, target, state, lengths=counts)
+    b_logits, b_conf = _draft(b, target, state, lengths=counts)
+    np.testing.assert_allclose(b_logits, a_logits, rtol=tol, atol=tol)
+    np.testing.assert_allclose(b_conf, a_conf, rtol=tol, atol=tol)
+
+
 def test_embedding_markov_drafter_drafts_the_same_with_materialised_tables(llama_target):
     tied = tiny_dspark(llama_target.config, seed=6, markov_rank=8, markov_factors="embedding")
     tables = tied.with_markov_tables(llama_target)
     assert tables.config.markov_factors == "table" and tables.markov.w1.shape == (llama_target.config.vocab_size, 8)
-    state = _commit(tied, llama_target, tied.init_state(B, MAX_LEN), _hiddens(8, S, llama_target.config),
-                    slots=[0, 1], starts=[0, 0], counts=[6, 9])
-    a_logits, a_conf = _draft(tied, llama_target, state, lengths=[6, 9])
-    b_logits, b_conf = _draft(tables, llama_target, state, lengths=[6, 9])
-    np.testing.assert_allclose(b_logits, a_logits, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(b_conf, a_conf, rtol=1e-4, atol=1e-4)
+    _assert_same_drafts(tied, tables, llama_target, seed=8, counts=[6, 9], tol=1e-4)
     assert tiny_dspark(llama_target.config, markov_rank=4).with_markov_tables(llama_target).config.markov_factors == "table"
 
 
@@ -234,11 +240,6 @@ def test_markov_rank_growth_keeps_what_the_drafter_proposes(llama_target, factor
     assert grown.config.markov_rank == rank + 5 and small.config.markov_rank == rank
     assert np.any(np.asarray(getattr(grown.markov, first)[...])[:, rank:])          # new columns can learn
     assert not np.any(np.asarray(getattr(grown.markov, second)[...])[:, rank:])     # ... from a zero bias
-    state = _commit(small, llama_target, small.init_state(B, MAX_LEN), _hiddens(9, S, llama_target.config),
-                    slots=[0, 1], starts=[0, 0], counts=[5, 8])
-    a_logits, a_conf = _draft(small, llama_target, state, lengths=[5, 8])
-    b_logits, b_conf = _draft(grown, llama_target, state, lengths=[5, 8])
-    np.testing.assert_allclose(b_logits, a_logits, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(b_conf, a_conf, rtol=1e-5, atol=1e-5)
+    _assert_same_drafts(small, grown, llama_target, seed=9, counts=[5, 8], tol=1e-5)
     with pytest.raises(ValueError, match="rank"):
         grown.with_markov_rank(rank + 5, rngs=nnx.Rngs(0))
