@@ -309,34 +309,54 @@ class DSparkDrafter(nnx.Module):
         nnx.update(new, state)
         return new
 
-    def with_markov_rank(self, rank: int, *, rngs: nnx.Rngs) -> "DSparkDrafter":
-        """This drafter with its Markov head grown to `rank`, proposing what it proposed before.
+    def grown(self, *, rngs: nnx.Rngs, markov_rank: int | None = None,
+              num_layers: int | None = None) -> "DSparkDrafter":
+        """This drafter with a larger Markov head and/or more backbone layers, proposing
+        exactly what it proposed before, so a trained drafter can continue with more capacity
+        (`jax-dspark train --init` with a larger `--markov-rank` / `--num-layers`) instead of
+        starting over. Returns a new drafter; `self` is unchanged.
 
-        The new columns of the head's first factor (`w1` / `p1`, the predecessor's
-        embedding) are random at the head's init scale; those of the second (`w2` / `p2`,
-        the logit side) and the confidence head's new `r` weights are zero, so the bias
-        `W1[prev] W2^T` and the confidence logit are unchanged until training moves them
-        (the second factor's new columns get gradient at once, the first's after them).
-        Growing from 0 adds a head whose bias starts at zero. This lets a trained drafter
-        continue with a larger head (`jax-dspark train --init` with a larger
-        `--markov-rank`) instead of starting over. Returns a new drafter; `self` is unchanged.
+        Markov rank r -> r': the new columns of the head's first factor (`w1` / `p1`, the
+        predecessor's embedding) are random at the head's init scale; those of the second
+        (`w2` / `p2`, the logit side) and the confidence head's new weights are zero, so the
+        bias `W1[prev] W2^T` and the confidence logit are unchanged until training moves
+        them (the second factor's new columns get gradient at once, the first's after
+        them). Growing from 0 adds a head whose bias starts at zero.
+
+        Layers L -> L': new blocks are appended after the old ones with random weights
+        except their output projections `wo` and `w_down`, which are zero, so each new
+        block adds nothing to the residual stream (and the final norm sees what it saw)
+        until training moves them.
         """
-        cur = self.config.markov_rank
-        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank <= cur:
-            raise ValueError(f"rank: must be an int above the current markov_rank {cur} (got {rank!r})")
-        config = dataclasses.replace(self.config, markov_rank=int(rank))
+        cfg = self.config
+        rank = cfg.markov_rank if markov_rank is None else markov_rank
+        layers = cfg.num_layers if num_layers is None else num_layers
+        for name, value, cur in (("markov_rank", rank, cfg.markov_rank), ("num_layers", layers, cfg.num_layers)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < cur:
+                raise ValueError(f"{name}: must be an int >= the current {cur} (got {value!r})")
+        if (rank, layers) == (cfg.markov_rank, cfg.num_layers):
+            raise ValueError(f"markov_rank / num_layers: nothing to grow (both as stored: {rank}, {layers})")
+        config = dataclasses.replace(cfg, markov_rank=int(rank), num_layers=int(layers))
         new = DSparkDrafter(config, rngs=rngs)
         values = nnx.to_pure_dict(nnx.state(self, nnx.Param))
-        grown = nnx.to_pure_dict(nnx.state(new, nnx.Param))
-        first, second = ("p1", "p2") if config.markov_factors == "embedding" else ("w1", "w2")
-        head = grown["markov"]
-        head[second] = jnp.zeros_like(head[second])
-        if cur:
-            head[first] = head[first].at[:, :cur].set(values["markov"][first])
-            head[second] = head[second].at[:, :cur].set(values["markov"][second])
-        values["markov"] = head
-        w = values["confidence"]["w"]
-        values["confidence"]["w"] = jnp.concatenate([w, jnp.zeros((rank - cur,), w.dtype)])
+        fresh = nnx.to_pure_dict(nnx.state(new, nnx.Param))
+        if rank > cfg.markov_rank:
+            cur = cfg.markov_rank
+            first, second = ("p1", "p2") if config.markov_factors == "embedding" else ("w1", "w2")
+            head = fresh["markov"]
+            head[second] = jnp.zeros_like(head[second])
+            if cur:
+                head[first] = head[first].at[:, :cur].set(values["markov"][first])
+                head[second] = head[second].at[:, :cur].set(values["markov"][second])
+            values["markov"] = head
+            w = values["confidence"]["w"]
+            values["confidence"]["w"] = jnp.concatenate([w, jnp.zeros((rank - cur,), w.dtype)])
+        if layers > cfg.num_layers:
+            for name, stacked in fresh["layers"].items():
+                added = stacked[cfg.num_layers:]
+                if name in ("wo", "w_down"):
+                    added = jnp.zeros_like(added)
+                values["layers"][name] = jnp.concatenate([values["layers"][name], added])
         state = nnx.state(new, nnx.Param)
         nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), values))
         nnx.update(new, state)

@@ -213,13 +213,17 @@ def test_standalone_drafter_with_embedding_markov_head_is_lossless(llama_target,
     assert spec.stats.verify_rate == 1.0 and len(spec.stats.per_position_acceptance) == drafter.block_size
 
 
-def _assert_same_drafts(a, b, target, *, seed, counts, tol):
-    """Drafters `a` and `b` (same backbone) give the same draft and confidence logits on one
-    committed context of `counts` positions per slot (the state is built with `a`)."""
-    state = _commit(a, target, a.init_state(B, MAX_LEN), _hiddens(seed, S, target.config),
-                    slots=[0, 1], starts=[0, 0], counts=counts)
+def _assert_same_drafts(a, b, target, *, seed, counts, tol, state_of_b=False):
+    """Drafters `a` and `b` give the same draft and confidence logits on one committed
+    context of `counts` positions per slot (the state is built with `a`, and separately
+    with `b` when `state_of_b`: drafters of different depth keep different states)."""
+    def committed(drafter):
+        return _commit(drafter, target, drafter.init_state(B, MAX_LEN), _hiddens(seed, S, target.config),
+                       slots=[0, 1], starts=[0, 0], counts=counts)
+
+    state = committed(a)
     a_logits, a_conf = _draft(a, target, state, lengths=counts)
-    b_logits, b_conf = _draft(b, target, state, lengths=counts)
+    b_logits, b_conf = _draft(b, target, committed(b) if state_of_b else state, lengths=counts)
     np.testing.assert_allclose(b_logits, a_logits, rtol=tol, atol=tol)
     np.testing.assert_allclose(b_conf, a_conf, rtol=tol, atol=tol)
 
@@ -235,11 +239,28 @@ def test_embedding_markov_drafter_drafts_the_same_with_materialised_tables(llama
 @pytest.mark.parametrize("factors, rank", [("embedding", 8), ("table", 8), ("embedding", 0)])
 def test_markov_rank_growth_keeps_what_the_drafter_proposes(llama_target, factors, rank):
     small = tiny_dspark(llama_target.config, seed=7, markov_rank=rank, markov_factors=factors)
-    grown = small.with_markov_rank(rank + 5, rngs=nnx.Rngs(3))
+    grown = small.grown(markov_rank=rank + 5, rngs=nnx.Rngs(3))
     first, second = ("p1", "p2") if factors == "embedding" else ("w1", "w2")
     assert grown.config.markov_rank == rank + 5 and small.config.markov_rank == rank
     assert np.any(np.asarray(getattr(grown.markov, first)[...])[:, rank:])          # new columns can learn
     assert not np.any(np.asarray(getattr(grown.markov, second)[...])[:, rank:])     # ... from a zero bias
     _assert_same_drafts(small, grown, llama_target, seed=9, counts=[5, 8], tol=1e-5)
-    with pytest.raises(ValueError, match="rank"):
-        grown.with_markov_rank(rank + 5, rngs=nnx.Rngs(0))
+
+
+def test_layer_growth_appends_blocks_that_add_nothing_yet(llama_target):
+    small = tiny_dspark(llama_target.config, seed=8, num_layers=2, markov_rank=4, markov_factors="embedding")
+    grown = small.grown(num_layers=3, markov_rank=6, rngs=nnx.Rngs(4))
+    assert grown.config.num_layers == 3 and grown.layers.wq.shape[0] == 3
+    np.testing.assert_array_equal(np.asarray(grown.layers.wq[...])[:2], np.asarray(small.layers.wq[...]))
+    assert np.any(np.asarray(grown.layers.wq[...])[2]) and not np.any(np.asarray(grown.layers.wo[...])[2])
+    # a 3-layer state holds one more layer of context K/V: commit with the grown drafter itself
+    _assert_same_drafts(grown, small, llama_target, seed=10, counts=[4, 7], tol=1e-5, state_of_b=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(markov_rank=2), "markov_rank"), (dict(num_layers=1), "num_layers"),
+                                           (dict(markov_rank=4), "nothing to grow"),
+                                           (dict(num_layers=2.5), "num_layers")])
+def test_growth_rejects_a_smaller_or_unchanged_or_non_int_size(llama_target, kwargs, match):
+    drafter = tiny_dspark(llama_target.config, seed=7, num_layers=2, markov_rank=4)
+    with pytest.raises(ValueError, match=match):
+        drafter.grown(rngs=nnx.Rngs(0), **kwargs)

@@ -203,7 +203,7 @@ def test_shipped_drafters_fit_16_mib_and_load_with_block_7(name):
     assert (drafter.markov is None) == (name == "smollm2_markov_off")
 
 
-def test_init_continues_from_a_saved_drafter_grows_its_markov_rank_and_rejects_another_config(tmp_path):
+def test_init_continues_from_a_saved_drafter_grows_it_and_rejects_another_config(tmp_path):
     import dataclasses
 
     from jax_dspark.commands.train import _initial
@@ -219,6 +219,8 @@ def test_init_continues_from_a_saved_drafter_grows_its_markov_rank_and_rejects_a
 
     with pytest.raises(ValueError, match="markov_rank"):
         _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_rank=2), 0)
-    with pytest.raises(ValueError, match="num_layers"):
-        _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, num_layers=2, markov_rank=8), 0)
+    deeper = _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, num_layers=2, markov_rank=8), 0)
+    assert deeper.config.num_layers == 2 and deeper.config.markov_rank == 8
+    with pytest.raises(ValueError, match="block_size"):
+        _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, block_size=4, markov_rank=8), 0)
 

@@ -176,9 +176,9 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
 
 def _initial(init: str, config, seed: int):
     """The drafter `init` (stored form, float32) as a starting point; its config must be
-    `config` (the one the command line asks for), except for a larger `markov_rank`: then
-    the head grows without changing what the drafter proposes
-    (`DSparkDrafter.with_markov_rank`, new columns drawn from `seed`)."""
+    `config` (the one the command line asks for), except for a larger `markov_rank` and/or
+    `num_layers`: then the drafter grows without changing what it proposes
+    (`DSparkDrafter.grown`, new weights drawn from `seed`)."""
     import dataclasses
 
     from flax import nnx
@@ -188,12 +188,13 @@ def _initial(init: str, config, seed: int):
     drafter = load_drafter(init, dtype=config.dtype)
     want, got = dataclasses.asdict(config), dataclasses.asdict(drafter.config)
     diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
-    if set(diff) == {"markov_rank"} and want["markov_rank"] > got["markov_rank"]:
-        _log(f"--init {init}: Markov head grown from rank {got['markov_rank']} to {want['markov_rank']}")
-        return drafter.with_markov_rank(want["markov_rank"], rngs=nnx.Rngs(seed))
+    growable = ("markov_rank", "num_layers")
+    if diff and set(diff) <= set(growable) and all(want[k] >= got[k] for k in diff):
+        _log(f"--init {init}: grown " + ", ".join(f"{k} {got[k]} -> {want[k]}" for k in diff))
+        return drafter.grown(rngs=nnx.Rngs(seed), **{k: want[k] for k in diff})
     if diff:
         raise ValueError(f"--init: {init!r} has another config than the command line asks for "
-                         f"(field: (stored, asked)): {diff}; only a larger --markov-rank can differ")
+                         f"(field: (stored, asked)): {diff}; only a larger --markov-rank / --num-layers can differ")
     return drafter
 
 
