@@ -216,6 +216,15 @@ def _random_param(rngs: nnx.Rngs, name: str, shape: tuple[int, ...], dtype) -> j
     return value.astype(dtype)
 
 
+def _with_params(model: nnx.Module, values: dict) -> nnx.Module:
+    """`model` with its parameters set to copies of the pure dict `values` (so the result
+    shares no arrays with the drafter the values came from)."""
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), values))
+    nnx.update(model, state)
+    return model
+
+
 class _Layers(nnx.Module):
     """All backbone blocks' weights, stacked along a leading layer axis (`LAYER_PARAMS`)."""
 
@@ -304,10 +313,7 @@ class DSparkDrafter(nnx.Module):
         new = nnx.eval_shape(lambda: DSparkDrafter(config, rngs=nnx.Rngs(0)))
         values = nnx.to_pure_dict(nnx.state(self, nnx.Param))
         values["markov"] = {"w1": w1, "w2": w2}
-        state = nnx.state(new, nnx.Param)
-        nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), values))
-        nnx.update(new, state)
-        return new
+        return _with_params(new, values)
 
     def grown(self, *, rngs: nnx.Rngs, markov_rank: int | None = None,
               num_layers: int | None = None) -> "DSparkDrafter":
@@ -357,10 +363,7 @@ class DSparkDrafter(nnx.Module):
                 if name in ("wo", "w_down"):
                     added = jnp.zeros_like(added)
                 values["layers"][name] = jnp.concatenate([values["layers"][name], added])
-        state = nnx.state(new, nnx.Param)
-        nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), values))
-        nnx.update(new, state)
-        return new
+        return _with_params(new, values)
 
     # -- state ---------------------------------------------------------------------------
 

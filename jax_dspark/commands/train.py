@@ -148,7 +148,7 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
     `--text-extended`, `--init`, `--more-data`) are omitted, so earlier commands stay what
     they were. `--more-data` files are named as given (each is reproduced by the command of
     the run that saved it), or as `--record-paths` renames them, like `--out` and `--init`."""
-    rename = recorded_paths(getattr(args, "record_paths", []))
+    rename = recorded_paths(args.record_paths)
     parts = ["jax-dspark", "train", "--target", args.target, "--out", rename.get(out, out)]
     if init is not None:
         parts += ["--init", rename.get(init, init)]
