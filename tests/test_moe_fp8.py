@@ -135,3 +135,48 @@ def test_bench_quantises_in_chunks_exactly_as_in_one_call():
     for got, want in zip(chunked, whole):
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+def test_moe_bench_flags_targets_that_need_more_than_the_copy_rate():
+    from jax_dspark.bench import moe as bench_moe
+
+    d, inter, experts, k = bench_moe.MODELS["V4-Flash"]
+    flops = 2.0 * 4096 * k * 3 * d * inter
+    touched = experts * 3 * d * inter * 2  # every expert, bf16
+    prefill = {"tokens": 4096, "target_threshold": 0.7, "fraction_of_target_metric": 0.46, "kernel_ms": 4.15,
+               "ragged_dot_ms": 436.0}
+    bench_moe._judge(prefill, flops, touched, 3.67, 653.0)
+    # 70% of 653 TFLOP/s is 2.71 ms for 1.24 TFLOP: 12.9 GB in 2.71 ms needs 4.76 TB/s.
+    assert prefill["target_ms"] == pytest.approx(flops / (0.7 * 653e12) * 1e3)
+    assert prefill["target_needs_TBps"] == pytest.approx(touched / (prefill["target_ms"] * 1e9))
+    assert prefill["target_needs_TBps"] > 3.67 and not prefill["target_within_copy_rate"]
+    assert prefill["byte_floor_ms"] == pytest.approx(touched / 3.67e9)
+    assert prefill["kernel_of_byte_floor"] == pytest.approx(prefill["byte_floor_ms"] / 4.15)
+    assert not prefill["meets_targets"]
+
+    # Decode at 70% of copy alone is within reach; a fast ragged_dot makes its 5x the binding target.
+    decode = {"tokens": 64, "target_threshold": 0.7, "fraction_of_target_metric": 1.0, "kernel_ms": 2.6}
+    bench_moe._judge(dict(decode), flops / 64, touched, 3.67, 653.0)
+    alone = bench_moe.byte_floor(decode, flops / 64, touched, 3.67, 653.0)
+    assert alone["target_within_copy_rate"] and alone["target_needs_TBps"] == pytest.approx(0.7 * 3.67)
+    with_ref = bench_moe.byte_floor(dict(decode, ragged_dot_ms=6.13), flops / 64, touched, 3.67, 653.0)
+    assert with_ref["target_ms"] == pytest.approx(6.13 / 5)
+    assert not with_ref["target_within_copy_rate"]
+
+
+def test_moe_bench_table_shows_the_floor_columns():
+    from jax_dspark.bench import moe as bench_moe
+
+    d, inter, experts, k = bench_moe.MODELS["V4-Pro"]
+    case = {"name": "V4-Pro T=64 fp8", "tokens": 64, "experts_touched": 234, "target_threshold": 0.7,
+            "fraction_of_target_metric": 1.06, "kernel_ms": 3.976, "ragged_dot_ms": 24.44,
+            "speedup_vs_ragged_dot": 6.1, "kernel_TFLOPs": 13.0, "touched_weight_TBps": 3.89,
+            "target": ">= 70% of copy"}
+    bench_moe._judge(case, 2.0 * 64 * k * 3 * d * inter, 234 * 3 * d * inter, 3.67, 653.0)
+    md = bench_moe.to_markdown({"gpu": "test", "commit": "x", "date": "d", "copy_TBps": 3.67,
+                                "gemm_bf16_TFLOPs": 653.0, "cases": [case]})
+    row = [line for line in md.splitlines() if line.startswith("| V4-Pro")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 14
+    assert cells[-1] == ("yes" if case["target_within_copy_rate"] else "no")
+    assert float(cells[-4]) == pytest.approx(case["byte_floor_ms"], abs=1e-3)
