@@ -1,7 +1,8 @@
 """`jax-dspark bench moe`: routed-expert kernels against the ragged_dot reference on the GPU.
 
 One run measures, on the same card and in the same process: the copy bandwidth (a large
-bf16 read + write), the BF16 GEMM rate (8192^3 through XLA/cuBLAS), and for V4-Flash
+elementwise read + write) and the BF16 GEMM rate (8192^3 through XLA/cuBLAS), both with
+`bench.timing` as the attention and prep benches do, and for V4-Flash
 (d 4096, I 2048, 256 experts, top-6) and V4-Pro (d 7168, I 3072, 384 experts, top-6) expert
 shapes at 64 tokens (decode) and 4096 tokens (prefill chunk): the pure-JAX reference
 (`jax.lax.ragged_dot`) and the kernel, with BF16 weights and with FP8 weights (e4m3, one UE8M0
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dspark import ops
+from jax_dspark.bench import timing
 from jax_dspark.ops import _moe_kernels
 
 MODELS = {  # name: (hidden d, intermediate I, experts E, top-k)
@@ -72,28 +74,6 @@ def _median_ms(fn, *args, min_iters: int = 3, max_iters: int = 20, budget_s: flo
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1e3
-
-
-def measure_copy_tbps(nbytes: int = 4 << 30) -> float:
-    """Bytes read + written per second by a large 32-bit elementwise pass (TB/s).
-
-    A plain copy would be elided by XLA; one XOR per 4-byte word keeps the pass a copy in
-    traffic. Best of two timings (the first can run before the clocks have ramped up).
-    """
-    x = jax.random.bits(jax.random.key(1), (nbytes // 4,), jnp.uint32)
-    f = jax.jit(lambda a: a ^ jnp.uint32(1))
-    ms = min(_median_ms(f, x), _median_ms(f, x))
-    del x
-    return 2 * nbytes / (ms * 1e-3) / 1e12
-
-
-def measure_gemm_tflops(n: int = 8192) -> float:
-    """BF16 x BF16 -> BF16 (f32 accumulation) GEMM rate through XLA on random data (TFLOP/s)."""
-    a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: jnp.dot(a, b))
-    ms = min(_median_ms(f, a, b), _median_ms(f, a, b))
-    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def _routing(key, tokens: int, experts: int, k: int):
@@ -334,8 +314,10 @@ def run(
         raise RuntimeError(f"moe_experts kernel not available: {ops_kernel_reason()}")
     gpu = jax.devices()[0].device_kind
     fp8_reason = None if _moe_kernels.experts_fp8_available() else _moe_kernels.experts_fp8_status()
-    gemm_tflops = measure_gemm_tflops()  # first: it also brings the clocks up
-    copy_tbps = measure_copy_tbps()
+    # The ceilings of the attention and prep benches (back-to-back calls, so no per-call
+    # dispatch gap in the time); GEMM first: it also brings the clocks up.
+    gemm_tflops = timing.gemm_bf16_TFLOPs()
+    copy_tbps = timing.copy_bandwidth_TBps()
     print(f"copy {copy_tbps:.2f} TB/s, gemm {gemm_tflops:.0f} TFLOP/s", flush=True)
     cases = []
     for model in models:
