@@ -180,3 +180,21 @@ def test_moe_bench_table_shows_the_floor_columns():
     assert len(cells) == 14
     assert cells[-1] == ("yes" if case["target_within_copy_rate"] else "no")
     assert float(cells[-4]) == pytest.approx(case["byte_floor_ms"], abs=1e-3)
+
+
+def test_stored_moe_results_get_the_floor_columns_the_bench_would_have_written():
+    from jax_dspark.bench import moe as bench_moe
+
+    d, inter, experts, k = bench_moe.MODELS["V4-Flash"]
+    case = {"name": "V4-Flash T=4096 fp8", "tokens": 4096, "dtype": "fp8", "hidden": d, "inter": inter,
+            "top_k": k, "experts_touched": 256, "target_threshold": 1.2, "fraction_of_target_metric": 0.78,
+            "kernel_ms": 2.427, "ragged_dot_ms": 436.2}
+    unmeasured = {"name": "V4-Pro T=64 fp8", "tokens": 64, "dtype": "fp8", "kernel_ms": None}
+    stored = {"copy_TBps": 3.67, "gemm_bf16_TFLOPs": 653.0, "cases": [case, unmeasured]}
+    got = bench_moe.with_floors(stored)
+    flops, touched = bench_moe.work(4096, d, inter, k, 256, "fp8")
+    assert touched == pytest.approx(256 * 3 * d * inter * (1 + 1 / 128**2))
+    want = bench_moe.byte_floor(case, flops, touched, 3.67, 653.0)
+    assert {key: got["cases"][0][key] for key in want} == want
+    assert got["cases"][1] == unmeasured and "not measured again" in got["floors_note"]
+    assert "byte_floor_ms" not in stored["cases"][0]  # the stored result is left as it was
