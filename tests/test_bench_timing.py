@@ -81,3 +81,20 @@ def test_call_times_gives_the_per_call_time_and_no_busy_time_on_the_cpu():
     assert per_call > 0 and busy is None
     with pytest.raises(ValueError, match="at least 2 sets"):
         timing.call_times(lambda x: x, sets[:1])
+
+
+def test_prep_rows_say_whether_five_times_xla_fits_under_the_copy_rate():
+    from jax_dspark.bench import prep
+
+    nbytes = prep.case_bytes(1, 16384, 1, 64)  # bf16 x read, e4m3 + one exponent per 64 written
+    assert nbytes == 16384 * 512 * 2 + 16384 * 512 + 16384 * 8
+    cols = prep.speedup_target_columns(nbytes, 4.12, 34.4)
+    assert cols["x5_needs_of_copy"] == round(nbytes / (34.4 / 5 * 1e-6) / 1e12 / 4.12, 2)
+    assert cols["x5_within_copy_rate"] and cols["x5_needs_of_copy"] < 1
+    fast_xla = prep.speedup_target_columns(nbytes, 4.12, 10.0)  # XLA at half the copy rate already
+    assert not fast_xla["x5_within_copy_rate"]
+    assert prep.speedup_target_columns(nbytes, 4.12, None) == dict(x5_needs_of_copy=None, x5_within_copy_rate=None)
+    stored = {"copy_TBps": 4.12, "cases": [{"B": 1, "S": 16384, "H": 1, "fp8_block": 64, "xla_device_us": 34.4}]}
+    got = prep.with_speedup_floor(stored)
+    assert got["cases"][0]["x5_needs_of_copy"] == cols["x5_needs_of_copy"] and "not measured again" in got["floors_note"]
+    assert "x5_needs_of_copy" not in stored["cases"][0]

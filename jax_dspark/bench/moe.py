@@ -144,7 +144,7 @@ def with_floors(result: dict) -> dict:
                                         case["experts_touched"], case["dtype"])
             case.update(byte_floor(case, flops, touched_bytes, result["copy_TBps"], result["gemm_bf16_TFLOPs"]))
         out["cases"].append(case)
-    out["floors_note"] = ("floor columns computed afterwards by bench.moe.with_floors from this run's recorded "
+    out["floors_note"] = ("The floor columns were computed afterwards by bench.moe.with_floors from this run's recorded "
                           "times and ceilings; not measured again")
     return out
 
@@ -289,7 +289,7 @@ def to_markdown(result: dict) -> str:
         "Byte floor: the touched weights read once at this run's copy rate. \"target needs\": the weight-streaming "
         "rate the case's targets (metric and 5x ragged_dot) ask for; a target that needs more than the copy rate "
         "cannot be met by a kernel that reads each weight once.",
-        *([result["floors_note"].capitalize() + "."] if result.get("floors_note") else []),
+        *([result["floors_note"] + "."] if result.get("floors_note") else []),
         "",
         "| case | experts touched | ragged_dot ms | kernel ms | speedup | kernel TFLOP/s | touched TB/s | target | target met "
         "| >= 5x ragged_dot | byte floor ms | kernel of floor | target needs TB/s | within copy rate |",
