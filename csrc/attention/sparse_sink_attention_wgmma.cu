@@ -286,6 +286,85 @@ __device__ __forceinline__ void pv_tile(float (&o)[32][4], const uint32_t (&pa)[
   }
 }
 
+// One tile of the consumer warpgroups (thread tid < 256): S split between the warpgroups
+// (warpgroup c: keys 32c .. 32c + 31 of the tile), no duplicated tensor work. The two warps
+// that own heads 16w .. 16w + 15 (warp w of each warpgroup) swap row maxima, then P
+// fragments, through shared memory under a named barrier of their 64 threads; thread tid's
+// partner is tid ^ 128, which holds the same rows and key offsets of the other half. Both
+// warpgroups then use the same running max, so O and the row sums rescale alike; the sums
+// stay per half until the epilogue. A short tile (at most 16 rows of the list: the last one
+// of a DSpark block's 133 rows, say) computes 16 columns of each half of S and one k16
+// step of P V. Exact: the other columns are masked (probability 0) and their V rows
+// zero-filled, so they would only add +0. Two instantiations rather than branches inside
+// one: ptxas serialises every wgmma of a kernel whose pipeline stages contain a branch.
+template <bool kShort>
+__device__ __forceinline__ void consume_tile(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
+                                             uint32_t q_base, uint32_t kv_base, const uint8_t* s_valid, float sl2,
+                                             int tid) {
+  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  float sc[16];
+  s_tile<kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
+  float mx[2], alpha[2], mu[2], rs[2];
+  masked_row_max<4>(sc, s_valid, 32 * c, q4, sl2, mx);
+  float* xrow = reinterpret_cast<float*>(smem + kOffXRow);  // [warpgroup][head row]
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    if (q4 == 0) xrow[c * BM + 16 * w + g + 8 * i] = mx[i];
+  named_barrier_sync(1 + w, 64);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) mx[i] = fmaxf(mx[i], xrow[(1 - c) * BM + 16 * w + g + 8 * i]);
+  advance_max(m_run, mx, mu, alpha);
+  uint32_t pown[2][4];  // this half's P as two k16 A fragments (keys 32c + 16 kk ..)
+  p_fragments<4>(sc, mu, pown, rs);
+  uint4* xp = reinterpret_cast<uint4*>(smem + kOffXP);  // [k16 step of the half][thread]
+  xp[tid] = make_uint4(pown[0][0], pown[0][1], pown[0][2], pown[0][3]);
+  xp[kThreads + tid] = make_uint4(pown[1][0], pown[1][1], pown[1][2], pown[1][3]);
+  rescale_rows(o, l_run, alpha, rs);
+  named_barrier_sync(1 + w, 64);
+  const uint4 q0 = xp[tid ^ 128], q1 = xp[kThreads + (tid ^ 128)];
+  const uint32_t poth[2][4] = {{q0.x, q0.y, q0.z, q0.w}, {q1.x, q1.y, q1.z, q1.w}};
+  // k-step ks covers keys 16 ks ..: warpgroup 0's half for ks < 2, warpgroup 1's after.
+  uint32_t pa[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[ks][r] = ((ks >> 1) == c) ? pown[ks & 1][r] : poth[ks & 1][r];
+  pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);  // all 64 keys (a short tile: its first 16)
+}
+
+// Epilogue of the consumer warpgroups: quad sums plus the other half's (through the swap
+// area); both warpgroups hold whole rows, warpgroup 0 stores the lse.
+__device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
+                                            const float (&m_run)[2], const float (&l_run)[2], int64_t bs, int h0,
+                                            int split, int tid) {
+  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  float lsum[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    lsum[i] = l_run[i];
+    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 1);
+    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 2);
+  }
+  {
+    float* xrow = reinterpret_cast<float*>(smem + kOffXRow);
+    if (q4 == 0) {
+      xrow[c * BM + 16 * w + g] = lsum[0];
+      xrow[c * BM + 16 * w + g + 8] = lsum[1];
+    }
+    named_barrier_sync(1 + w, 64);
+    lsum[0] += xrow[(1 - c) * BM + 16 * w + g];
+    lsum[1] += xrow[(1 - c) * BM + 16 * w + g + 8];
+  }
+  float lse[2], inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float l = lsum[i];
+    lse[i] = (m_run[i] == -INFINITY || !(l > 0.f)) ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
+    inv[i] = l > 0.f ? 1.f / l : 0.f;
+  }
+  store_head_rows(p, o, lse, inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -298,11 +377,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   const int tid = threadIdx.x;
   const int row = tid >> 2;    // gather: row of the tile / head of the Q block
   const int phase = tid & 3;   // gather: chunks phase, phase + 4, ...
-  const int c = tid >> 7;      // warpgroup: output dims 256c .. 256c + 255
-  const int w = (tid >> 5) & 3;  // warp in the warpgroup: heads 16w .. 16w + 15
-  const int lane = tid & 31;
-  const int g = lane >> 2;
-  const int q4 = lane & 3;
 
   // Q block (absent heads as zeros) and tile 0: cp.async group 0.
   {
@@ -355,83 +429,145 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
     const uint8_t* s_valid = smem + kOffValid + stage * BK;
 
-    // A short tile (at most 16 rows of the list: the last one of a DSpark block's 133 rows,
-    // say) computes 16 columns of each half of S and one k16 step of P V. Exact: the other
-    // columns are masked (probability 0) and their V rows zero-filled, so they would only
-    // add +0. Two instantiations of the tile's math rather than branches inside one: ptxas
-    // serialises every wgmma of a kernel whose pipeline stages contain a branch.
     const int tile_rows = min(BK, key_end - (key_begin + t * BK));
-    // S split between the warpgroups (warpgroup c: keys 32c .. 32c + 31 of the tile), no
-    // duplicated tensor work. The two warps that own heads 16w .. 16w + 15 (warp w
-    // of each warpgroup) swap row maxima, then P fragments, through shared memory under a
-    // named barrier of their 64 threads; thread tid's partner is tid ^ 128, which holds the
-    // same rows and key offsets of the other half. Both warpgroups then use the same running
-    // max, so O and the row sums rescale alike; the sums stay per half until the epilogue.
-    auto tile_math = [&](auto short_tile) {
-      constexpr bool kShort = decltype(short_tile)::value;
-      float sc[16];
-      s_tile<kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
-      float mx[2], alpha[2], mu[2], rs[2];
-      masked_row_max<4>(sc, s_valid, 32 * c, q4, sl2, mx);
-      float* xrow = reinterpret_cast<float*>(smem + kOffXRow);  // [warpgroup][head row]
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-        if (q4 == 0) xrow[c * BM + 16 * w + g + 8 * i] = mx[i];
-      named_barrier_sync(1 + w, 64);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) mx[i] = fmaxf(mx[i], xrow[(1 - c) * BM + 16 * w + g + 8 * i]);
-      advance_max(m_run, mx, mu, alpha);
-      uint32_t pown[2][4];  // this half's P as two k16 A fragments (keys 32c + 16 kk ..)
-      p_fragments<4>(sc, mu, pown, rs);
-      uint4* xp = reinterpret_cast<uint4*>(smem + kOffXP);  // [k16 step of the half][thread]
-      xp[tid] = make_uint4(pown[0][0], pown[0][1], pown[0][2], pown[0][3]);
-      xp[kThreads + tid] = make_uint4(pown[1][0], pown[1][1], pown[1][2], pown[1][3]);
-      rescale_rows(o, l_run, alpha, rs);
-      named_barrier_sync(1 + w, 64);
-      const uint4 q0 = xp[tid ^ 128], q1 = xp[kThreads + (tid ^ 128)];
-      const uint32_t poth[2][4] = {{q0.x, q0.y, q0.z, q0.w}, {q1.x, q1.y, q1.z, q1.w}};
-      // k-step ks covers keys 16 ks ..: warpgroup 0's half for ks < 2, warpgroup 1's after.
-      uint32_t pa[4][4];
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pa[ks][r] = ((ks >> 1) == c) ? pown[ks & 1][r] : poth[ks & 1][r];
-      pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);  // all 64 keys (a short tile: its first 16)
-    };
     if (tile_rows <= 16)
-      tile_math(std::true_type{});
+      consume_tile<true>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
     else
-      tile_math(std::false_type{});
+      consume_tile<false>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
-  // Epilogue: quad sums plus the other half's (through the swap area); both
-  // warpgroups hold whole rows, warpgroup 0 stores the lse.
-  float lsum[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    lsum[i] = l_run[i];
-    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 1);
-    lsum[i] += __shfl_xor_sync(0xffffffffu, lsum[i], 2);
+  finish_rows(p, smem, o, m_run, l_run, bs, h0, split, tid);
+}
+
+
+// ---- Warp-specialised schedule (bf16 pools) ---------------------------------------------
+// The lockstep kernel's gather is issued by the same warps that compute, between a tile's
+// barrier and its S: ncu (H200, V4-Pro HCA and dense 16k) puts about 19% of its warp
+// samples on issuing those 16 cp.async per thread (LSU throttle) and 8% more on the wait and
+// barrier before them, time in which no warp feeds the tensor pipe. Here a third warpgroup
+// gathers and the two others only compute; they hand the two stages back and forth through
+// named barriers (no mbarrier, no parity to get wrong): the producers arrive on kFullBar + s
+// when stage s holds its tile (copies landed, proxy-fenced), the consumers arrive on
+// kEmptyBar + s when their P V of it has completed. The producers announce tile t + 1 while
+// the consumers still compute tile t and gather tile t + 2 as soon as tile t is done with,
+// so each tile has one tile's compute time to land, as in the lockstep kernel, but its
+// issue is off the compute path. Registers: a CTA of 12 warps gets 168 a thread at launch;
+// `setmaxnreg` moves them from the producers (40) to the consumers (232).
+constexpr int kWsThreads = kThreads + 128;
+constexpr int kFullBar = 5;   // + stage; 1..4 are the consumers' swap barriers
+constexpr int kEmptyBar = 7;  // + stage
+constexpr int kRowsPerProducerWarp = BK / 4;
+static_assert(kEmptyBar + 1 < 16, "named barrier ids");
+static_assert(128 * 40 + kThreads * 232 <= 65536, "register budget of the setmaxnreg split");
+
+// Producer warp pw's share of the 64 rows at smem address `dst` (Q or a tile stage): rows
+// 16 pw .. 16 pw + 15, one per step, lane l copying chunks l and l + 32, so a warp
+// instruction reads 512 contiguous bytes. `eff`: the row index of row 16 pw + (lane % 16),
+// -1 for a masked row (zero-filled: a zero probability must never meet stale NaN bytes).
+// Rows before `main_rows_end` come from `main`, the others from `extra`; `dummy` is any
+// valid address (zero-byte copies read nothing).
+__device__ __forceinline__ void issue_rows(uint32_t dst, const uint8_t* main, const uint8_t* extra, int main_rows_end,
+                                           int eff, const uint8_t* dummy, int pw, int lane) {
+#pragma unroll 4
+  for (int i = 0; i < kRowsPerProducerWarp; ++i) {
+    const int r = kRowsPerProducerWarp * pw + i;
+    const int e = __shfl_sync(0xffffffffu, eff, i);
+    const uint8_t* src = e >= 0 ? (r < main_rows_end ? main : extra) + int64_t(e) * (D * 2) : dummy;
+    const uint32_t bytes = e >= 0 ? 16u : 0u;
+    cp_async_16_zfill(dst + chunk_offset(r, lane), src + lane * 16, bytes);
+    cp_async_16_zfill(dst + chunk_offset(r, lane + 32), src + (lane + 32) * 16, bytes);
   }
-  {
-    float* xrow = reinterpret_cast<float*>(smem + kOffXRow);
-    if (q4 == 0) {
-      xrow[c * BM + 16 * w + g] = lsum[0];
-      xrow[c * BM + 16 * w + g + 8] = lsum[1];
+}
+
+// Row index of list position j for the producers, -1 where the row is masked.
+__device__ __forceinline__ int effective_index(const SparseSinkAttentionParams& p, int j, int key_end, int64_t bs) {
+  if (j >= key_end) return -1;
+  const bool in_main = j < p.k_main;
+  const int idx = in_main ? p.main_idx[bs * p.k_main + j] : p.extra_idx[bs * p.k_extra + (j - p.k_main)];
+  return idx >= 0 && idx < (in_main ? p.n_main : p.n_extra) ? idx : -1;
+}
+
+__device__ __forceinline__ void setmaxnreg_dec40() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
+__device__ __forceinline__ void setmaxnreg_inc232() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
+
+__global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_kernel(const SparseSinkAttentionParams p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
+  const AttnWorkItem item = attn_work_item(p);
+  const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
+  const int64_t bs = item.bs;
+  const int tid = threadIdx.x;
+
+  if (tid >= kThreads) {  // producer warpgroup
+    setmaxnreg_dec40();
+    const int lane = tid & 31, pw = (tid >> 5) & 3;
+    const int my_row = kRowsPerProducerWarp * pw + (lane % kRowsPerProducerWarp);
+    const uint8_t* main = static_cast<const uint8_t*>(p.main_rows);
+    const uint8_t* extra = static_cast<const uint8_t*>(p.extra_rows);
+    const uint8_t* q = static_cast<const uint8_t*>(p.q);
+    {  // Q block, absent heads as zeros (their rows of O are never stored)
+      const uint8_t* q_rows = q + bs * p.heads * int64_t(D * 2);  // head h of this query row at h * 1024
+      const int h = item.h0 + my_row;
+      issue_rows(smem_addr(smem + kOffQ), q_rows, q_rows, BK, h < p.heads ? h : -1, q, pw, lane);
     }
-    named_barrier_sync(1 + w, 64);
-    lsum[0] += xrow[(1 - c) * BM + 16 * w + g];
-    lsum[1] += xrow[(1 - c) * BM + 16 * w + g + 8];
+    // Tile t into stage t % 2, with its row-validity flags; `eff` from `index_of(t)`.
+    auto index_of = [&](int t) { return effective_index(p, key_begin + t * BK + my_row, key_end, bs); };
+    auto issue_tile = [&](int t, int eff) {
+      if (lane < kRowsPerProducerWarp) smem[kOffValid + (t & 1) * BK + my_row] = eff >= 0;
+      issue_rows(smem_addr(smem + kOffKV + (t & 1) * kTileBytes), main, extra, p.k_main - (key_begin + t * BK), eff,
+                 q, pw, lane);
+      cp_async_commit();
+    };
+    int eff = -1;
+    if (ntiles > 0)
+      issue_tile(0, index_of(0));  // one group with Q
+    else
+      cp_async_commit();
+    if (ntiles > 1) issue_tile(1, index_of(1));
+    if (ntiles > 2) eff = index_of(2);
+    // Announce tile 0; then, the consumers on tile t: announce t + 1 once landed, take
+    // stage t % 2 back once they are done with t, gather t + 2 into it.
+    if (ntiles > 1)
+      cp_async_wait<1>();
+    else
+      cp_async_wait<0>();
+    fence_proxy_async_smem();  // this thread's copies and flag stores, before wgmma reads them
+    if (ntiles > 0) named_barrier_arrive(kFullBar, kWsThreads);
+    for (int t = 0; t + 1 < ntiles; ++t) {
+      cp_async_wait<0>();  // tile t + 1: the only group in flight
+      fence_proxy_async_smem();
+      named_barrier_arrive(kFullBar + ((t + 1) & 1), kWsThreads);
+      if (t + 2 < ntiles) {
+        named_barrier_sync(kEmptyBar + (t & 1), kWsThreads);
+        issue_tile(t + 2, eff);
+        if (t + 3 < ntiles) eff = index_of(t + 3);
+      }
+    }
+    return;
   }
-  float lse[2], inv[2];
+
+  setmaxnreg_inc232();
+  float o[32][4];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float l = lsum[i];
-    lse[i] = (m_run[i] == -INFINITY || !(l > 0.f)) ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
-    inv[i] = l > 0.f ? 1.f / l : 0.f;
+  for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max, log2 units
+  float l_run[2] = {0.f, 0.f};              // this thread's share of the row sums
+  const float sl2 = p.scale * kLog2e;
+  const uint32_t q_base = smem_addr(smem + kOffQ);
+  for (int t = 0; t < ntiles; ++t) {
+    const int stage = t & 1;
+    named_barrier_sync(kFullBar + stage, kWsThreads);
+    const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
+    const uint8_t* s_valid = smem + kOffValid + stage * BK;
+    const int tile_rows = min(BK, key_end - (key_begin + t * BK));
+    if (tile_rows <= 16)
+      consume_tile<true>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
+    else
+      consume_tile<false>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
+    if (t + 2 < ntiles) named_barrier_arrive(kEmptyBar + stage, kWsThreads);  // its wgmmas have completed
   }
-  store_head_rows(p, o, lse, inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
+  finish_rows(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
 }
 
 template <bool kFp8>
@@ -440,13 +576,46 @@ cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream
                                                                          kSmemBytes, stream);
 }
 
+cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel>(p, kWsThreads, kSmemBytes, stream);
+}
+
+// Which bf16 launches take the warp-specialised schedule. Measured on the H200 (CUDA events,
+// both schedules in one run, docs/kernels.md): it wins only on V4-Pro HCA (104 against 111 us)
+// and loses 3-7% on the four other benchmark shapes. What sets HCA apart: more than one head
+// block reads each KV row (H > 64), so half the gathers hit L2 and the lockstep kernel is
+// bound by issuing them rather than by DRAM, and each CTA walks many tiles (32), so the
+// producers' extra start-up is paid once. Dense 16k (one head block, DRAM-bound) gains
+// nothing from moving the issue; the V4-Pro DSpark block (H 128 but 3 tiles a CTA) loses to
+// the start-up. kWsMinTiles is the smallest tile count measured winning rounded down to a
+// power of two; shapes between 3 and 32 tiles were not measured.
+constexpr int kWsMinTiles = 16;
+bool use_warp_specialised(const SparseSinkAttentionParams& p) {
+  if (p.main_fp8 || p.extra_fp8) return false;  // the FP8 expansion lives in the lockstep kernel
+  return p.heads > kAttnHeadsPerCta && attn_tiles_per_split(p.k_main + p.k_extra, p.num_splits) >= kWsMinTiles;
+}
+
+cudaError_t run_schedule(const SparseSinkAttentionParams& p, bool warp_specialised, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  cudaError_t err = warp_specialised ? launch_wgmma_ws(p, stream)
+                    : (p.main_fp8 || p.extra_fp8) ? launch_wgmma<true>(p, stream)
+                                                  : launch_wgmma<false>(p, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return launch_sparse_sink_attention_combine(p, stream);
+}
+
 }  // namespace
 
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
-  cudaError_t err = (p.main_fp8 || p.extra_fp8) ? launch_wgmma<true>(p, stream) : launch_wgmma<false>(p, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
-  return launch_sparse_sink_attention_combine(p, stream);
+  return run_schedule(p, use_warp_specialised(p), stream);
+}
+
+cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return run_schedule(p, false, stream);
+}
+
+cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return run_schedule(p, !(p.main_fp8 || p.extra_fp8), stream);
 }
 
 }  // namespace jds

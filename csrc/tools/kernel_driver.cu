@@ -3,6 +3,7 @@
 //                            compute-sanitizer: every out-of-bounds access is reported), outputs
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
+//   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced for bf16 pools
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
@@ -491,11 +492,18 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--wgmma") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma;
+    } else if (std::strcmp(argv[i], "--wgmma-lockstep") == 0) {
+      run_attn = jds::run_sparse_sink_attention_wgmma_lockstep;
+    } else if (std::strcmp(argv[i], "--wgmma-ws") == 0) {
+      run_attn = jds::run_sparse_sink_attention_wgmma_ws;
     } else if (nargs < 3) {
       args[nargs++] = argv[i];
     }
   }
-  std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention ? "mma.sync" : "wgmma");
+  std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
+                                         : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
+                                         : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
+                                                                                                  : "wgmma lockstep");
   if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
   if (nargs > 0 && std::strcmp(args[0], "bench-prep") == 0) return bench_prep(sms, nargs > 1 ? args[1] : nullptr);
   return memcheck(sms);
