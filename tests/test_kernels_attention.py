@@ -160,6 +160,21 @@ def test_long_lists_with_inverse_rope_through_the_combine():
     check(args, scale=512**-0.5, inverse_rope=rope)
 
 
+@pytest.mark.parametrize("h", [128, 96])
+def test_long_lists_over_two_head_blocks_take_the_warp_specialised_schedule_and_match(h):
+    # More than one head block and >= 16 tiles a split: the bf16 launch goes to the
+    # warp-specialised kernel (use_warp_specialised in sparse_sink_attention_wgmma.cu);
+    # 96 heads leave the second head block half empty, masked rows and both pools included.
+    b, s, k, k2 = 8, 2, 4000, 100
+    splits = _kernels.choose_splits(b, s, h, k + k2, _ffi.num_sms())
+    tiles = -(-(k + k2) // _kernels.KEYS_PER_TILE)
+    assert -(-tiles // splits) >= 16, "the shape no longer reaches the warp-specialised schedule"
+    args, rng = make_case(40 + h, b=b, s=s, h=h, k=k, n=6000, k2=k2, n2=300)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((b, s, 32, 2)), jnp.float32)
+    check(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
+
+
 def test_heads_not_a_multiple_of_64():
     args, _ = make_case(9, b=2, s=1, h=96, k=70)
     check(args, scale=0.04)

@@ -5,12 +5,14 @@ CTA + 1) + a charge per split); this sweep measures what each count costs on the
 the model can be checked against the card rather than against itself. One process, GPU
 busy time per call (`timing.call_times`) on the inputs of `jax-dspark bench attention`.
 
-    JAX_DSPARK_FFI_LIB=... python tools/attention_split_sweep.py --out $OUT/split_sweep.json
+    JAX_DSPARK_FFI_LIB=... python tools/attention_split_sweep.py --commit $(git rev-parse --short HEAD) \
+        --out $OUT/split_sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 
 from jax_dspark import _ffi
@@ -33,6 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--sets", type=int, default=8)
+    parser.add_argument("--commit", default="unknown", help="the commit the library was built from")
     args = parser.parse_args()
     chosen = _kernels.choose_splits
     rows = []
@@ -51,7 +54,8 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(args.out, "w") as fh:
-        json.dump(dict(gpu=timing.gpu_name(), num_sms=_ffi.num_sms(), rows=rows), fh, indent=1)
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        json.dump(dict(gpu=timing.gpu_name(), commit=args.commit, date=date, num_sms=_ffi.num_sms(), rows=rows), fh, indent=1)
     best = {}
     for r in rows:
         key = (r["case"], r["kv"])
