@@ -74,8 +74,10 @@ cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaSt
 // warpgroup beside the two computing ones); use_warp_specialised in the .cu says why.
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
-// One schedule forced for every bf16 launch (FP8 pools stay lockstep): kernel_driver
-// --wgmma-lockstep / --wgmma-ws, to validate and time both on the same shapes.
+// One schedule forced for every launch: kernel_driver --wgmma-lockstep / --wgmma-ws, to
+// validate and time both on the same shapes. The warp-specialised FP8 instantiation is
+// reachable only here, never from the FFI handlers: its first register split hung the H200
+// and the corrected one (96 / 200) has not run yet (docs/kernels.md).
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
 

@@ -459,7 +459,20 @@ constexpr int kFullBar = 5;   // + stage; 1..4 are the consumers' swap barriers
 constexpr int kEmptyBar = 7;  // + stage
 constexpr int kRowsPerProducerWarp = BK / 4;
 static_assert(kEmptyBar + 1 < 16, "named barrier ids");
-static_assert(128 * 40 + kThreads * 232 <= 65536, "register budget of the setmaxnreg split");
+// Registers a thread of each side gets after `setmaxnreg`. The CTA's pool is what it was
+// launched with, 168 a thread (ptxas's allocation for 384 threads), and `setmaxnreg.inc`
+// waits until the pool can cover it: a split that asks for more than the producers gave back
+// never returns (the first FP8 split, 56 / 224 then 96 / 208, hung the H200 that way, at the
+// first FP8 case of `kernel_driver --wgmma-ws`, 2026-12-04). The FP8 producers hold a row's
+// 14 staged chunks while expanding it; ptxas spills there at 56 (100 bytes) and 80 (4 bytes),
+// not at 96.
+constexpr int kLaunchRegs = 168;
+template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 96 : 40;
+template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 200 : 232;
+static_assert(128 * kProducerRegs<false> + kThreads * kConsumerRegs<false> <= kWsThreads * kLaunchRegs,
+              "register pool of the setmaxnreg split (bf16)");
+static_assert(128 * kProducerRegs<true> + kThreads * kConsumerRegs<true> <= kWsThreads * kLaunchRegs,
+              "register pool of the setmaxnreg split (FP8)");
 
 // Producer warp pw's share of the 64 rows at smem address `dst` (Q or a tile stage): rows
 // 16 pw .. 16 pw + 15, one per step, lane l copying chunks l and l + 32, so a warp
@@ -488,9 +501,55 @@ __device__ __forceinline__ int effective_index(const SparseSinkAttentionParams& 
   return idx >= 0 && idx < (in_main ? p.n_main : p.n_extra) ? idx : -1;
 }
 
-__device__ __forceinline__ void setmaxnreg_dec40() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory"); }
-__device__ __forceinline__ void setmaxnreg_inc232() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory"); }
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory"); }
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory"); }
 
+// The producers' side for pools that may hold FP8 rows: the lockstep kernel's gather and
+// in-place expansion (gather_tile, expand_fp8_row), 128 threads doing what 256 do there, so
+// thread pt owns rows pt / 4 and pt / 4 + 32 of a tile at chunk phase pt % 4. A tile is
+// announced only once its FP8 rows are expanded, so the consumers' tile math is the bf16
+// one; the expansion runs while they compute the tile before.
+__device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParams& p, uint8_t* smem,
+                                                  const AttnWorkItem& item, int pt) {
+  const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
+  const int64_t bs = item.bs;
+  const int row0 = pt >> 2, phase = pt & 3;
+  int idx[2] = {-1, -1};
+  IssuedRow issued[2] = {{false, make_uint2(0u, 0u)}, {false, make_uint2(0u, 0u)}};
+  auto load_indices = [&](int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) idx[r] = t < ntiles ? row_index(p, t, key_begin, key_end, bs, row0 + 32 * r) : -1;
+  };
+  auto issue = [&](int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) issued[r] = gather_tile<true>(p, smem, t, key_begin, key_end, row0 + 32 * r, phase, idx[r]);
+    cp_async_commit();
+    load_indices(t + 1);
+  };
+  auto land_and_announce = [&](int t) {  // the only group in flight is tile t's
+    cp_async_wait<0>();
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (issued[r].fp8) expand_fp8_row(smem, t & 1, row0 + 32 * r, phase, issued[r].scale);
+    fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
+    named_barrier_arrive(kFullBar + (t & 1), kWsThreads);
+  };
+  load_indices(0);
+  issue(0);  // with the Q block's group, issued by the caller before
+  land_and_announce(0);
+  if (ntiles > 1) issue(1);
+  for (int t = 0; t + 1 < ntiles; ++t) {
+    land_and_announce(t + 1);
+    if (t + 2 < ntiles) {
+      named_barrier_sync(kEmptyBar + (t & 1), kWsThreads);
+      issue(t + 2);
+    }
+  }
+}
+
+template <bool kFp8>
 __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
@@ -500,7 +559,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   const int tid = threadIdx.x;
 
   if (tid >= kThreads) {  // producer warpgroup
-    setmaxnreg_dec40();
+    setmaxnreg_dec<kProducerRegs<kFp8>>();
     const int lane = tid & 31, pw = (tid >> 5) & 3;
     const int my_row = kRowsPerProducerWarp * pw + (lane % kRowsPerProducerWarp);
     const uint8_t* main = static_cast<const uint8_t*>(p.main_rows);
@@ -510,6 +569,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
       const uint8_t* q_rows = q + bs * p.heads * int64_t(D * 2);  // head h of this query row at h * 1024
       const int h = item.h0 + my_row;
       issue_rows(smem_addr(smem + kOffQ), q_rows, q_rows, BK, h < p.heads ? h : -1, q, pw, lane);
+    }
+    if constexpr (kFp8) {
+      if (ntiles > 0)
+        produce_fp8_tiles(p, smem, item, tid - kThreads);
+      else
+        cp_async_commit(), cp_async_wait<0>();  // the Q group; no tile, nothing announced
+      return;
     }
     // Tile t into stage t % 2, with its row-validity flags; `eff` from `index_of(t)`.
     auto index_of = [&](int t) { return effective_index(p, key_begin + t * BK + my_row, key_end, bs); };
@@ -547,7 +613,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     return;
   }
 
-  setmaxnreg_inc232();
+  setmaxnreg_inc<kConsumerRegs<kFp8>>();
   float o[32][4];
 #pragma unroll
   for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -576,8 +642,9 @@ cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream
                                                                          kSmemBytes, stream);
 }
 
+template <bool kFp8>
 cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel>(p, kWsThreads, kSmemBytes, stream);
+  return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel<kFp8>>(p, kWsThreads, kSmemBytes, stream);
 }
 
 // Which bf16 launches take the warp-specialised schedule. Measured on the H200 (CUDA events,
@@ -597,9 +664,9 @@ bool use_warp_specialised(const SparseSinkAttentionParams& p) {
 
 cudaError_t run_schedule(const SparseSinkAttentionParams& p, bool warp_specialised, cudaStream_t stream) {
   if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
-  cudaError_t err = warp_specialised ? launch_wgmma_ws(p, stream)
-                    : (p.main_fp8 || p.extra_fp8) ? launch_wgmma<true>(p, stream)
-                                                  : launch_wgmma<false>(p, stream);
+  const bool fp8 = p.main_fp8 || p.extra_fp8;
+  cudaError_t err = warp_specialised ? (fp8 ? launch_wgmma_ws<true>(p, stream) : launch_wgmma_ws<false>(p, stream))
+                                     : (fp8 ? launch_wgmma<true>(p, stream) : launch_wgmma<false>(p, stream));
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return launch_sparse_sink_attention_combine(p, stream);
 }
@@ -615,7 +682,7 @@ cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionPa
 }
 
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  return run_schedule(p, !(p.main_fp8 || p.extra_fp8), stream);
+  return run_schedule(p, true, stream);
 }
 
 }  // namespace jds

@@ -3,7 +3,7 @@
 //                            compute-sanitizer: every out-of-bounds access is reported), outputs
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
-//   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced for bf16 pools
+//   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
