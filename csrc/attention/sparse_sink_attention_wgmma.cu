@@ -332,6 +332,27 @@ __device__ __forceinline__ void consume_tile(float (&o)[32][4], float (&m_run)[2
   pv_tile<kShort ? 1 : BK / 16>(o, pa, kv_base + c * 4 * kBlockBytes);  // all 64 keys (a short tile: its first 16)
 }
 
+// A thread's running state before the first tile: O zero, running max -inf (log2 units),
+// its share of the row sums zero.
+__device__ __forceinline__ void init_rows(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2]) {
+#pragma unroll
+  for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  m_run[0] = m_run[1] = -INFINITY;
+  l_run[0] = l_run[1] = 0.f;
+}
+
+// The tile in `stage`, of which `tile_rows` rows are in the list: the short instantiation
+// when at most 16 are.
+__device__ __forceinline__ void consume_stage(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
+                                              uint32_t q_base, int stage, int tile_rows, float sl2, int tid) {
+  const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
+  const uint8_t* s_valid = smem + kOffValid + stage * BK;
+  if (tile_rows <= 16)
+    consume_tile<true>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
+  else
+    consume_tile<false>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
+}
+
 // Epilogue of the consumer warpgroups: quad sums plus the other half's (through the swap
 // area); both warpgroups hold whole rows, warpgroup 0 stores the lse.
 __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
@@ -399,11 +420,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   cp_async_commit();
   if (ntiles > 1) next_idx = row_index(p, 1, key_begin, key_end, bs, row);
 
-  float o[32][4];
-#pragma unroll
-  for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // running max, log2 units
-  float l_run[2] = {0.f, 0.f};              // this thread's share of the row sums
+  float o[32][4], m_run[2], l_run[2];
+  init_rows(o, m_run, l_run);
   const float sl2 = p.scale * kLog2e;
   const uint32_t q_base = smem_addr(smem + kOffQ);
 
@@ -426,14 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     }
     cp_async_commit();
 
-    const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
-    const uint8_t* s_valid = smem + kOffValid + stage * BK;
-
-    const int tile_rows = min(BK, key_end - (key_begin + t * BK));
-    if (tile_rows <= 16)
-      consume_tile<true>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
-    else
-      consume_tile<false>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
+    consume_stage(o, m_run, l_run, smem, q_base, stage, min(BK, key_end - (key_begin + t * BK)), sl2, tid);
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
@@ -614,23 +625,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   }
 
   setmaxnreg_inc<kConsumerRegs<kFp8>>();
-  float o[32][4];
-#pragma unroll
-  for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // running max, log2 units
-  float l_run[2] = {0.f, 0.f};              // this thread's share of the row sums
+  float o[32][4], m_run[2], l_run[2];
+  init_rows(o, m_run, l_run);
   const float sl2 = p.scale * kLog2e;
   const uint32_t q_base = smem_addr(smem + kOffQ);
   for (int t = 0; t < ntiles; ++t) {
     const int stage = t & 1;
     named_barrier_sync(kFullBar + stage, kWsThreads);
-    const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
-    const uint8_t* s_valid = smem + kOffValid + stage * BK;
-    const int tile_rows = min(BK, key_end - (key_begin + t * BK));
-    if (tile_rows <= 16)
-      consume_tile<true>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
-    else
-      consume_tile<false>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
+    consume_stage(o, m_run, l_run, smem, q_base, stage, min(BK, key_end - (key_begin + t * BK)), sl2, tid);
     if (t + 2 < ntiles) named_barrier_arrive(kEmptyBar + stage, kWsThreads);  // its wgmmas have completed
   }
   finish_rows(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
