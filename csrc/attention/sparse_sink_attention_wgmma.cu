@@ -644,8 +644,21 @@ cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream
                                                                          kSmemBytes, stream);
 }
 
+// The pool the setmaxnreg split assumes is the kernel's launch allocation (kLaunchRegs a
+// thread); were ptxas ever to allocate fewer, the consumers' setmaxnreg.inc would wait
+// forever. Checked once per instantiation on the host, so that case is an error, not a hang.
+template <bool kFp8>
+cudaError_t ws_register_pool() {
+  cudaFuncAttributes attr{};
+  const cudaError_t err = cudaFuncGetAttributes(&attr, sparse_sink_attention_wgmma_ws_kernel<kFp8>);
+  if (err != cudaSuccess) return err;
+  return attr.numRegs >= kLaunchRegs ? cudaSuccess : cudaErrorInvalidConfiguration;
+}
+
 template <bool kFp8>
 cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  static const cudaError_t pool = ws_register_pool<kFp8>();
+  if (pool != cudaSuccess) return pool;
   return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel<kFp8>>(p, kWsThreads, kSmemBytes, stream);
 }
 
