@@ -5,18 +5,17 @@ CTA + 1) + a charge per split); this sweep measures what each count costs on the
 the model can be checked against the card rather than against itself. One process, GPU
 busy time per call (`timing.call_times`) on the inputs of `jax-dspark bench attention`.
 
-    JAX_DSPARK_FFI_LIB=... python tools/attention_split_sweep.py --commit $(git rev-parse --short HEAD) \
-        --out $OUT/split_sweep.json
+    JAX_DSPARK_FFI_LIB=... python tools/attention_split_sweep.py --out $OUT/split_sweep.json
+        [--commit C]  (default: report.commit_id, i.e. $JAX_DSPARK_COMMIT or git HEAD)
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 from jax_dspark import _ffi
-from jax_dspark.bench import attention, timing
+from jax_dspark.bench import attention, report, timing
 from jax_dspark.ops import _kernels
 
 
@@ -35,7 +34,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--sets", type=int, default=8)
-    parser.add_argument("--commit", default="unknown", help="the commit the library was built from")
+    parser.add_argument("--commit", default=None, help="the commit the library was built from")
     args = parser.parse_args()
     chosen = _kernels.choose_splits
     rows = []
@@ -54,8 +53,8 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(args.out, "w") as fh:
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        json.dump(dict(gpu=timing.gpu_name(), commit=args.commit, date=date, num_sms=_ffi.num_sms(), rows=rows), fh, indent=1)
+        json.dump(dict(gpu=timing.gpu_name(), commit=report.commit_id(args.commit), date=report.today(),
+                       num_sms=_ffi.num_sms(), rows=rows), fh, indent=1)
     best = {}
     for r in rows:
         key = (r["case"], r["kv"])
