@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 }
 
 
-// ---- Warp-specialised schedule (bf16 pools) ---------------------------------------------
+// ---- Warp-specialised schedule (bf16 pools; FP8 pools only through kernel_driver) ------
 // The lockstep kernel's gather is issued by the same warps that compute, between a tile's
 // barrier and its S: ncu (H200, V4-Pro HCA and dense 16k) puts about 19% of its warp
 // samples on issuing those 16 cp.async per thread (LSU throttle) and 8% more on the wait and
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 // the consumers still compute tile t and gather tile t + 2 as soon as tile t is done with,
 // so each tile has one tile's compute time to land, as in the lockstep kernel, but its
 // issue is off the compute path. Registers: a CTA of 12 warps gets 168 a thread at launch;
-// `setmaxnreg` moves them from the producers (40) to the consumers (232).
+// `setmaxnreg` moves them from the producers to the consumers (kProducerRegs, kConsumerRegs).
 constexpr int kWsThreads = kThreads + 128;
 constexpr int kFullBar = 5;   // + stage; 1..4 are the consumers' swap barriers
 constexpr int kEmptyBar = 7;  // + stage
@@ -663,8 +663,8 @@ cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t str
 }
 
 // Which bf16 launches take the warp-specialised schedule. Measured on the H200 (CUDA events,
-// both schedules in one run, docs/kernels.md): it wins only on V4-Pro HCA (104 against 111 us)
-// and loses 3-7% on the four other benchmark shapes. What sets HCA apart: more than one head
+// both schedules in one run, docs/kernels.md): it wins only on V4-Pro HCA (103 against 110 us)
+// and loses 3-10% on the four other benchmark shapes. What sets HCA apart: more than one head
 // block reads each KV row (H > 64), so half the gathers hit L2 and the lockstep kernel is
 // bound by issuing them rather than by DRAM, and each CTA walks many tiles (32), so the
 // producers' extra start-up is paid once. Dense 16k (one head block, DRAM-bound) gains
