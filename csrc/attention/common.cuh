@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "attention/params.h"
@@ -130,18 +131,20 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
 // Launches an attention kernel over its grid: (64-head blocks x query rows, splits, batch).
 // Raising the dynamic shared-memory limit is a per-function host setting, not stream work,
 // so it is safe while XLA captures the stream into a command buffer; done once per device
-// (per instantiation: `configured` is a static of each Kernel).
+// (per instantiation: `configured` is a static of each Kernel). Atomic flags: XLA drives
+// each device from its own thread, and two threads may both set the (idempotent) attribute
+// the first time.
 template <void (*Kernel)(SparseSinkAttentionParams)>
 cudaError_t launch_attention_grid(const SparseSinkAttentionParams& p, int threads, int smem_bytes,
                                   cudaStream_t stream) {
-  static bool configured[64] = {};
+  static std::atomic<bool> configured[64] = {};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
+  if (dev < 0 || dev >= 64 || !configured[dev].load(std::memory_order_relaxed)) {
     err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) configured[dev] = true;
+    if (dev >= 0 && dev < 64) configured[dev].store(true, std::memory_order_relaxed);
   }
   const int nhb = (p.heads + kAttnHeadsPerCta - 1) / kAttnHeadsPerCta;
   const dim3 grid(nhb * p.seq, p.num_splits, p.batch);

@@ -31,11 +31,9 @@ the table says which targets are of that kind instead of leaving it to prose.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import subprocess
 import time
 
 import jax
@@ -43,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dspark import ops
-from jax_dspark.bench import timing
+from jax_dspark.bench import report, timing
 from jax_dspark.ops import _moe_kernels
 
 MODELS = {  # name: (hidden d, intermediate I, experts E, top-k)
@@ -264,16 +262,6 @@ def _fp8_unavailable(model: str, tokens: int, reason: str) -> dict:
             "status": f"FP8 not measured: {reason}"}
 
 
-def _commit() -> str:
-    if os.environ.get("JAX_DSPARK_COMMIT"):
-        return os.environ["JAX_DSPARK_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def to_markdown(result: dict) -> str:
     lines = [
         "# MoE kernel benchmark",
@@ -382,8 +370,8 @@ def run(
         del q, bf16_outputs
     result = {
         "gpu": gpu,
-        "commit": commit or _commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": report.commit_id(commit),
+        "date": report.today(),
         "jax": jax.__version__,
         "copy_TBps": copy_tbps,
         "gemm_bf16_TFLOPs": gemm_tflops,
