@@ -100,5 +100,7 @@ if(JAX_DSPARK_BUILD_DRIVER)
   set_target_properties(kernel_driver PROPERTIES CUDA_STANDARD 17)
   target_include_directories(kernel_driver PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/csrc")
   target_compile_options(kernel_driver PRIVATE ${_jds_gencode} -O3)
+  # diagnostic launches (AttnProbe in attention/params.h): never compiled into the library
+  target_compile_definitions(kernel_driver PRIVATE JAX_DSPARK_ATTENTION_PROBES)
   target_link_libraries(kernel_driver PRIVATE CUDA::cudart_static)
 endif()

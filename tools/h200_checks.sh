@@ -11,6 +11,14 @@
 #   driver-bench    kernel_driver bench --wgmma and bench-prep: CUDA-event device times
 #   prep-tests      pytest -m gpu tests/test_kernels_prep.py
 #   gpu-tests       pytest -m gpu tests (every GPU test)
+#   ws-fp8          the warp-specialised kernel's FP8 producers (never run yet): kernel_driver
+#                   --wgmma-ws edge cases under timeout, memcheck, racecheck, then bench fp8
+#                   with --wgmma-lockstep and --wgmma-ws alternating
+#   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
+#                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
+#                   in flight) and its compute alone (AttnProbe in attention/params.h)
+#   ws-sweep        bench-shape over K at H 128 (B 16, S 1), both schedules: where the
+#                   warp-specialised schedule starts to win (use_warp_specialised's threshold)
 #   bench-prep | bench-attention | bench-moe   jax-dspark bench <what> --out $OUT
 #   bench-prep-cb | bench-attention-cb         the same with --command-buffers
 # Environment: BUILD (default .dev/build: libjax_dspark_ffi.so, kernel_driver), COMMIT (the
@@ -45,6 +53,23 @@ for step in "$@"; do
     driver-bench)
       run 120 "$DRIVER" --wgmma bench
       run 60 "$DRIVER" bench-prep ;;
+    ws-fp8)
+      run 60 "$DRIVER" --wgmma-ws
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-ws
+      run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-ws
+      for schedule in --wgmma-lockstep --wgmma-ws --wgmma-lockstep --wgmma-ws; do
+        run 150 "$DRIVER" "$schedule" bench fp8
+      done ;;
+    probes)
+      for mode in --wgmma-lockstep --probe-gather1 --probe-gather2 --probe-math --wgmma-lockstep; do
+        run 150 "$DRIVER" "$mode" bench "${PROBE_CASES:-dense 16k}"
+      done ;;
+    ws-sweep)
+      for k in 1024 1536 2048 3072 4096 6144 8192; do
+        for schedule in --wgmma-lockstep --wgmma-ws; do
+          run 60 "$DRIVER" "$schedule" bench-shape 16 1 128 "$k"
+        done
+      done ;;
     prep-tests) run 240 env JAX_DSPARK_TEST_GPU=1 python3 -m pytest -m gpu tests/test_kernels_prep.py -q ;;
     gpu-tests) run 580 env JAX_DSPARK_TEST_GPU=1 python3 -m pytest -m gpu tests -q -o faulthandler_timeout=120 ;;
     bench-prep | bench-attention | bench-moe)

@@ -81,4 +81,14 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+// Diagnostic launches for kernel_driver builds (never in the library): where the lockstep
+// kernel's time goes. kGatherDepth1 / kGatherDepth2: its gather alone, one or two tiles in
+// flight per CTA; kMathOnly: its compute alone (tiles after the first two are not loaded).
+// The outputs are garbage; only the time means anything.
+enum class AttnProbe { kGatherDepth1, kGatherDepth2, kMathOnly };
+cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParams& p, AttnProbe probe,
+                                                  cudaStream_t stream);
+#endif
+
 }  // namespace jds

@@ -111,20 +111,19 @@ struct IssuedRow {
   uint2 scale;
 };
 
-// This thread's share of tile t: 16 chunks of row `row` into stage t % 2, or zeros when the
-// row is masked (so a zero probability never meets stale NaN bytes). An FP8 row's 14 nope
-// chunks (8 bytes each) are staged in place (staged_fp8_offset; expand_fp8_row turns them
-// into bf16 later).
+// This thread's share of tile t: 16 chunks of row `row` into the stage at `base` (its flag
+// into `valid`), or zeros when the row is masked (so a zero probability never meets stale
+// NaN bytes). An FP8 row's 14 nope chunks (8 bytes each) are staged in place
+// (staged_fp8_offset; expand_fp8_row turns them into bf16 later).
 template <bool kFp8>
-__device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
-                                                 int key_begin, int key_end, int row, int phase, int idx) {
-  const int stage = t & 1;
+__device__ __forceinline__ IssuedRow gather_tile_into(const SparseSinkAttentionParams& p, uint8_t* base,
+                                                      uint8_t* valid, int t, int key_begin, int key_end, int row,
+                                                      int phase, int idx) {
   const int j = key_begin + t * BK + row;
   const bool in_main = j < p.k_main;
   const int64_t n = in_main ? p.n_main : p.n_extra;
   const bool ok = j < key_end && idx >= 0 && idx < n;
   const bool f8 = kFp8 && ok && (in_main ? p.main_fp8 : p.extra_fp8) != 0;
-  uint8_t* base = smem + kOffKV + stage * kTileBytes;
   IssuedRow issued{f8, make_uint2(0u, 0u)};
   if (!ok) {
 #pragma unroll
@@ -154,8 +153,17 @@ __device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams
     const uint8_t* scale_row = (in_main ? p.main_scale : p.extra_scale) + int64_t(idx) * kAttnScaleBytes;
     issued.scale = __ldg(reinterpret_cast<const uint2*>(scale_row));
   }
-  if (phase == 0) smem[kOffValid + stage * BK + row] = ok ? 1 : 0;
+  if (phase == 0) valid[row] = ok ? 1 : 0;
   return issued;
+}
+
+// Tile t into its stage t % 2 of the kernels' layout.
+template <bool kFp8>
+__device__ __forceinline__ IssuedRow gather_tile(const SparseSinkAttentionParams& p, uint8_t* smem, int t,
+                                                 int key_begin, int key_end, int row, int phase, int idx) {
+  const int stage = t & 1;
+  return gather_tile_into<kFp8>(p, smem + kOffKV + stage * kTileBytes, smem + kOffValid + stage * BK, t, key_begin,
+                                key_end, row, phase, idx);
 }
 
 // A thread's nope chunk i (8 e4m3 values) as 8 bf16, scaled by its 64-dim block's UE8M0
@@ -386,7 +394,10 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
   store_head_rows(p, o, lse, inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
 }
 
-template <bool kFp8>
+// kMathOnly (diagnostic builds only, JAX_DSPARK_ATTENTION_PROBES): tiles 0 and 1 are gathered
+// as usual, later tiles are not (their stages keep tiles 0 and 1), so the kernel times the
+// compute chain without the memory behind it. Results are meaningless then.
+template <bool kFp8, bool kMathOnly = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
@@ -438,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     fence_proxy_async_smem();  // its plain and cp.async stores, before wgmma reads them
     __syncthreads();
     in_flight = IssuedRow{false, make_uint2(0u, 0u)};
-    if (t + 1 < ntiles) {
+    if (t + 1 < ntiles && (!kMathOnly || t + 1 < 2)) {
       in_flight = gather_tile<kFp8>(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
       if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
     }
@@ -638,6 +649,53 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   finish_rows(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
 }
 
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+// Diagnostic (kernel_driver only): the lockstep kernel's gather with nothing computed, kDepth
+// tiles in flight while the CTA waits for the oldest. kDepth 1 is the lockstep kernel's
+// memory pipeline (two stages: one tile landing while one is used); kDepth 2 uses the Q
+// block's region as a third stage, which the real kernels cannot (they need Q), to show what
+// one more tile in flight per CTA would buy. Same work items, splits and combine launch as
+// the real kernel; the outputs are not written.
+template <bool kFp8, int kDepth>
+__global__ void __launch_bounds__(kThreads, 1) attention_gather_probe_kernel(const SparseSinkAttentionParams p) {
+  static_assert(kDepth == 1 || kDepth == 2, "stages: the two tile stages, plus Q's region for depth 2");
+  constexpr int kStages = kDepth + 1;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const AttnWorkItem item = attn_work_item(p);
+  const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
+  const int64_t bs = item.bs;
+  const int tid = threadIdx.x, row = tid >> 2, phase = tid & 3;
+  // stage i at smem + i * kTileBytes (stage 0: Q's region), flags in the unused swap area
+  auto issue = [&](int t, int idx) {
+    const int stage = (kStages == 3 ? t % 3 : 1 + (t & 1));
+    gather_tile_into<kFp8>(p, smem + stage * kTileBytes, smem + kOffXP + stage * BK, t, key_begin, key_end, row,
+                           phase, idx);
+  };
+  int next_idx = -1;
+#pragma unroll
+  for (int t = 0; t < kDepth; ++t) {
+    if (t < ntiles) issue(t, row_index(p, t, key_begin, key_end, bs, row));
+    cp_async_commit();
+  }
+  if (kDepth < ntiles) next_idx = row_index(p, kDepth, key_begin, key_end, bs, row);
+  for (int t = 0; t < ntiles; ++t) {
+    cp_async_wait<kDepth - 1>();  // groups t .. t + kDepth - 1 were in flight: tile t has landed
+    __syncthreads();              // every thread's share of tile t landed; all are past tile t - 1
+    if (t + kDepth < ntiles) {
+      issue(t + kDepth, next_idx);  // into tile t - 1's stage
+      if (t + kDepth + 1 < ntiles) next_idx = row_index(p, t + kDepth + 1, key_begin, key_end, bs, row);
+    }
+    cp_async_commit();  // possibly empty: keeps kDepth groups in flight
+  }
+  cp_async_wait<0>();
+}
+
+template <bool kFp8, int kDepth>
+cudaError_t launch_gather_probe(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return launch_attention_grid<attention_gather_probe_kernel<kFp8, kDepth>>(p, kThreads, kSmemBytes, stream);
+}
+#endif
+
 template <bool kFp8>
 cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return launch_attention_grid<sparse_sink_attention_wgmma_kernel<kFp8>>(p, kThreads,
@@ -687,6 +745,29 @@ cudaError_t run_schedule(const SparseSinkAttentionParams& p, bool warp_specialis
 }
 
 }  // namespace
+
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParams& p, AttnProbe probe,
+                                                  cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  const bool fp8 = p.main_fp8 || p.extra_fp8;
+  cudaError_t err = cudaSuccess;
+  switch (probe) {
+    case AttnProbe::kGatherDepth1:
+      err = fp8 ? launch_gather_probe<true, 1>(p, stream) : launch_gather_probe<false, 1>(p, stream);
+      break;
+    case AttnProbe::kGatherDepth2:
+      err = fp8 ? launch_gather_probe<true, 2>(p, stream) : launch_gather_probe<false, 2>(p, stream);
+      break;
+    case AttnProbe::kMathOnly:
+      err = fp8 ? launch_attention_grid<sparse_sink_attention_wgmma_kernel<true, true>>(p, kThreads, kSmemBytes, stream)
+                : launch_attention_grid<sparse_sink_attention_wgmma_kernel<false, true>>(p, kThreads, kSmemBytes, stream);
+      break;
+  }
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return launch_sparse_sink_attention_combine(p, stream);
+}
+#endif
 
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return run_schedule(p, use_warp_specialised(p), stream);

@@ -7,6 +7,12 @@
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
+//   kernel_driver bench-shape B S H K [fp8]  the same timing for one shape (K list rows, one
+//                            pool): sweeps such as the warp-specialised schedule's threshold
+//   kernel_driver ... --probe-gather1 / --probe-gather2 / --probe-math  time a diagnostic
+//                            launch instead (AttnProbe: the lockstep kernel's gather alone with
+//                            one or two tiles in flight, or its compute alone); bench only, the
+//                            outputs are garbage
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -35,6 +41,16 @@ using bf16 = __nv_bfloat16;
 
 // The attention launcher under test (mma.sync by default, `--wgmma` for the wgmma kernel).
 static cudaError_t (*run_attn)(const jds::SparseSinkAttentionParams&, cudaStream_t) = jds::run_sparse_sink_attention;
+
+static cudaError_t probe_gather1(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
+  return jds::run_sparse_sink_attention_wgmma_probe(p, jds::AttnProbe::kGatherDepth1, s);
+}
+static cudaError_t probe_gather2(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
+  return jds::run_sparse_sink_attention_wgmma_probe(p, jds::AttnProbe::kGatherDepth2, s);
+}
+static cudaError_t probe_math(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
+  return jds::run_sparse_sink_attention_wgmma_probe(p, jds::AttnProbe::kMathOnly, s);
+}
 
 template <class T>
 T* upload(const std::vector<T>& h) {
@@ -406,6 +422,24 @@ static double event_us(int iters, Launch&& launch) {
   return ms * 1e3 / iters;
 }
 
+// Timing of one case: JSON line with the event time, split count and rates.
+static void bench_case(const AttnCase& c, int sms) {
+  const int kSets = 4;  // rotate pools: 4 x pool > L2 for every benchmark case
+  std::vector<AttnData> sets;
+  for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true, true));
+  for (int i = 0; i < 3; ++i) CK(run_attn(sets[i % kSets].p, 0));
+  CK(cudaDeviceSynchronize());
+  const double us = event_us(40, [&](int i) { CK(run_attn(sets[i % kSets].p, 0)); });
+  const double row_main = c.fp8_main ? 584.0 : 1024.0, row_extra = c.fp8_extra ? 584.0 : 1024.0;
+  const double bytes = double(c.B) * (c.K * row_main + c.K2 * row_extra);
+  const double flops = 4.0 * c.B * c.S * c.H * (c.K + c.K2) * 512.0;
+  std::printf("{\"name\": \"%s\", \"B\": %d, \"S\": %d, \"H\": %d, \"K\": %d, \"splits\": %d, "
+              "\"tiles_per_split\": %d, \"kernel_event_us\": %.2f, \"TBps\": %.3f, \"TFLOPs\": %.1f}\n",
+              c.name, c.B, c.S, c.H, c.K + c.K2, sets[0].p.num_splits,
+              jds::attn_tiles_per_split(c.K + c.K2, sets[0].p.num_splits), us, bytes / us / 1e6, flops / us / 1e6);
+  for (auto& s : sets) free_attn(s);
+}
+
 static int bench(int sms, const char* only) {
   const AttnCase cases[] = {
       {"V4-Flash CSA decode", 64, 1, 64, 640, 0, 64 * 640, 0, 0.f, true, false, false},
@@ -419,21 +453,27 @@ static int bench(int sms, const char* only) {
       {"V4-Pro HCA long context fp8", 16, 1, 128, 8192, 0, 16 * 8192, 0, 0.f, true, false, false, true, false},
       {"dense 16k fp8", 32, 1, 64, 16384, 0, 32 * 16384, 0, 0.f, true, false, false, true, false},
   };
-  for (const auto& c : cases) {
-    if (only && !std::strstr(c.name, only)) continue;
-    const int kSets = 4;  // rotate pools: 4 x pool > L2 for every case
-    std::vector<AttnData> sets;
-    for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true, true));
-    for (int i = 0; i < 3; ++i) CK(run_attn(sets[i % kSets].p, 0));
-    CK(cudaDeviceSynchronize());
-    const double us = event_us(40, [&](int i) { CK(run_attn(sets[i % kSets].p, 0)); });
-    const double row_main = c.fp8_main ? 584.0 : 1024.0, row_extra = c.fp8_extra ? 584.0 : 1024.0;
-    const double bytes = double(c.B) * (c.K * row_main + c.K2 * row_extra);
-    const double flops = 4.0 * c.B * c.S * c.H * (c.K + c.K2) * 512.0;
-    std::printf("{\"name\": \"%s\", \"splits\": %d, \"kernel_event_us\": %.2f, \"TBps\": %.3f, \"TFLOPs\": %.1f}\n", c.name,
-                sets[0].p.num_splits, us, bytes / us / 1e6, flops / us / 1e6);
-    for (auto& s : sets) free_attn(s);
+  for (const auto& c : cases)
+    if (!only || std::strstr(c.name, only)) bench_case(c, sms);
+  return 0;
+}
+
+// One shape given on the command line: B S H K [fp8], one pool of distinct rows per request,
+// no extra pool, sink on, no RoPE epilogue (as the benchmark cases).
+static int bench_shape(int sms, const char* const* args, int nargs) {
+  if (nargs < 5) {
+    std::printf("usage: kernel_driver bench-shape B S H K [fp8]\n");
+    return 2;
   }
+  const int B = std::atoi(args[1]), S = std::atoi(args[2]), H = std::atoi(args[3]), K = std::atoi(args[4]);
+  const bool fp8 = nargs > 5 && std::strcmp(args[5], "fp8") == 0;
+  if (B < 1 || S < 1 || S > 8 || H < 1 || H > 1024 || K < 1 || int64_t(B) * K > (int64_t(1) << 23)) {
+    std::printf("bench-shape: B %d, S %d, H %d, K %d out of range (B, K >= 1, B * K <= 2^23 rows, 1 <= S <= 8, 1 <= H <= 1024)\n", B, S,
+                H, K);
+    return 2;
+  }
+  AttnCase c{"shape", B, S, H, K, 0, B * K, 0, 0.f, true, false, false, fp8, false};
+  bench_case(c, sms);
   return 0;
 }
 
@@ -487,7 +527,7 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);  // keep partial output if a time limit kills us
   int sms = 132;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const char* args[3] = {nullptr, nullptr, nullptr};
+  const char* args[6] = {};
   int nargs = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--wgmma") == 0) {
@@ -496,15 +536,30 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_lockstep;
     } else if (std::strcmp(argv[i], "--wgmma-ws") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
-    } else if (nargs < 3) {
+    } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {
+      run_attn = probe_gather1;
+    } else if (std::strcmp(argv[i], "--probe-gather2") == 0) {
+      run_attn = probe_gather2;
+    } else if (std::strcmp(argv[i], "--probe-math") == 0) {
+      run_attn = probe_math;
+    } else if (nargs < 6) {
       args[nargs++] = argv[i];
     }
   }
+  const bool probe = run_attn == probe_gather1 || run_attn == probe_gather2 || run_attn == probe_math;
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
-                                                                                                  : "wgmma lockstep");
+                                         : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
+                                         : run_attn == probe_gather2 ? "probe: lockstep gather alone, 2 tiles in flight"
+                                         : run_attn == probe_math    ? "probe: lockstep compute alone"
+                                                                     : "wgmma lockstep");
+  if (nargs > 0 && std::strcmp(args[0], "bench-shape") == 0) return bench_shape(sms, args, nargs);
   if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
   if (nargs > 0 && std::strcmp(args[0], "bench-prep") == 0) return bench_prep(sms, nargs > 1 ? args[1] : nullptr);
+  if (probe) {
+    std::printf("the probes only time (bench, bench-shape): their outputs are not attention\n");
+    return 2;
+  }
   return memcheck(sms);
 }
