@@ -32,6 +32,7 @@ LOG=$OUT/checks.log
 export PYTHONUNBUFFERED=1 JAX_DSPARK_FFI_LIB=$PWD/$BUILD/libjax_dspark_ffi.so
 DRIVER=$BUILD/kernel_driver
 status=0
+last=0
 
 run() {  # run <seconds> <command...>: log it, keep the first failure's status
   local limit=$1
@@ -39,6 +40,7 @@ run() {  # run <seconds> <command...>: log it, keep the first failure's status
   echo "== $* (limit ${limit} s)" | tee -a "$LOG"
   timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
+  last=$rc
   [ "$rc" -ne 0 ] && echo "== exit $rc" | tee -a "$LOG" && [ "$status" -eq 0 ] && status=$rc
   return 0
 }
@@ -55,6 +57,7 @@ for step in "$@"; do
       run 60 "$DRIVER" bench-prep ;;
     ws-fp8)
       run 60 "$DRIVER" --wgmma-ws
+      [ "$last" -ne 0 ] && echo "== ws-fp8: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
       run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-ws
       run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-ws
       for schedule in --wgmma-lockstep --wgmma-ws --wgmma-lockstep --wgmma-ws; do
