@@ -11,12 +11,14 @@
 #   driver-bench    kernel_driver bench --wgmma and bench-prep: CUDA-event device times
 #   prep-tests      pytest -m gpu tests/test_kernels_prep.py
 #   gpu-tests       pytest -m gpu tests (every GPU test)
-#   ws-fp8          the warp-specialised kernel's FP8 producers (never run yet): kernel_driver
+#   ws-fp8          the warp-specialised kernel's FP8 producers (first run 2026-12-05): kernel_driver
 #                   --wgmma-ws edge cases under timeout, memcheck, racecheck, then bench fp8
 #                   with --wgmma-lockstep and --wgmma-ws alternating
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
+#   half-probes     the half-row gather of a D-split CTA pair (--probe-half 1..5 half-tiles in
+#                   flight) beside the lockstep kernel, on $HALF_SHAPES ("B S H K;..." bf16)
 #   ws-sweep        bench-shape over K at H 128 (B 16, S 1), both schedules: where the
 #                   warp-specialised schedule starts to win (use_warp_specialised's threshold)
 #   bench-prep | bench-attention | bench-moe   jax-dspark bench <what> --out $OUT
@@ -66,6 +68,14 @@ for step in "$@"; do
     probes)
       for mode in --wgmma-lockstep --probe-gather1 --probe-gather2 --probe-math --wgmma-lockstep; do
         run 150 "$DRIVER" "$mode" bench "${PROBE_CASES:-dense 16k}"
+      done ;;
+    half-probes)
+      IFS=';' read -ra shapes <<<"${HALF_SHAPES:-32 1 64 16384;64 1 64 640}"
+      for shape in "${shapes[@]}"; do
+        run 60 "$DRIVER" --wgmma-lockstep bench-shape $shape
+        for depth in 1 2 3 4 5; do
+          run 60 "$DRIVER" --probe-half "$depth" bench-shape $shape
+        done
       done ;;
     ws-sweep)
       for k in 1024 1536 2048 3072 4096 6144 8192; do

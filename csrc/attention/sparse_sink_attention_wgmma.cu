@@ -690,6 +690,68 @@ __global__ void __launch_bounds__(kThreads, 1) attention_gather_probe_kernel(con
   cp_async_wait<0>();
 }
 
+// Diagnostic (kernel_driver only): the memory pipeline of a kernel that would split D between
+// the two CTAs of a pair (each reading its 512-byte half of every row into 32 KB half-tiles;
+// with Q out of shared memory up to five could be in flight). CTA 2i + r gathers half r of
+// work item i, kDepth half-tiles in flight while it waits for the oldest. bf16 pools only;
+// nothing is computed or stored.
+template <int kDepth>
+__global__ void __launch_bounds__(kThreads, 1) attention_halfrow_gather_probe_kernel(const SparseSinkAttentionParams p) {
+  constexpr int kStages = kDepth + 1, kHalfTile = kTileBytes / 2, kHalfChunks = kChunks / 2;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int nhb = (p.heads + BM - 1) / BM, rank = blockIdx.x & 1;
+  const int64_t bs = int64_t(blockIdx.z) * p.seq + (blockIdx.x >> 1) / nhb;
+  const int k_total = p.k_main + p.k_extra;
+  const int tps = ((k_total + BK - 1) / BK + p.num_splits - 1) / p.num_splits;
+  const int key_begin = blockIdx.y * tps * BK, key_end = min(k_total, key_begin + tps * BK);
+  const int ntiles = key_end > key_begin ? (key_end - key_begin + BK - 1) / BK : 0;
+  const int tid = threadIdx.x, row = tid >> 2, phase = tid & 3;
+  auto issue = [&](int t, int idx) {
+    uint8_t* base = smem + (t % kStages) * kHalfTile;
+    const int j = key_begin + t * BK + row;
+    const bool in_main = j < p.k_main;
+    const bool ok = j < key_end && idx >= 0 && idx < (in_main ? p.n_main : p.n_extra);
+    const uint8_t* src =
+        static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(idx) * (D * 2) + rank * D;
+#pragma unroll
+    for (int i = 0; i < kHalfChunks / 4; ++i) {
+      const int chunk = phase + 4 * i;
+      if (ok)
+        cp_async_16(smem_addr(base + chunk_offset(row, chunk)), src + chunk * 16);
+      else
+        *reinterpret_cast<uint4*>(base + chunk_offset(row, chunk)) = make_uint4(0, 0, 0, 0);
+    }
+  };
+  int next_idx = -1;
+#pragma unroll
+  for (int t = 0; t < kDepth; ++t) {
+    if (t < ntiles) issue(t, row_index(p, t, key_begin, key_end, bs, row));
+    cp_async_commit();
+  }
+  if (kDepth < ntiles) next_idx = row_index(p, kDepth, key_begin, key_end, bs, row);
+  for (int t = 0; t < ntiles; ++t) {
+    cp_async_wait<kDepth - 1>();
+    __syncthreads();
+    if (t + kDepth < ntiles) {
+      issue(t + kDepth, next_idx);
+      if (t + kDepth + 1 < ntiles) next_idx = row_index(p, t + kDepth + 1, key_begin, key_end, bs, row);
+    }
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+}
+
+template <int kDepth>
+cudaError_t launch_halfrow_probe(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  constexpr int kSmem = (kDepth + 1) * kTileBytes / 2;
+  auto kernel = attention_halfrow_gather_probe_kernel<kDepth>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const int nhb = (p.heads + kAttnHeadsPerCta - 1) / kAttnHeadsPerCta;
+  kernel<<<dim3(2 * nhb * p.seq, p.num_splits, p.batch), kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <bool kFp8, int kDepth>
 cudaError_t launch_gather_probe(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return launch_attention_grid<attention_gather_probe_kernel<kFp8, kDepth>>(p, kThreads, kSmemBytes, stream);
@@ -766,6 +828,22 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
   }
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return launch_sparse_sink_attention_combine(p, stream);
+}
+#endif
+
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
+                                                    cudaStream_t stream) {
+  if (p.main_fp8 || p.extra_fp8) return cudaErrorInvalidValue;  // bf16 rows only
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  switch (depth) {
+    case 1: return launch_halfrow_probe<1>(p, stream);
+    case 2: return launch_halfrow_probe<2>(p, stream);
+    case 3: return launch_halfrow_probe<3>(p, stream);
+    case 4: return launch_halfrow_probe<4>(p, stream);
+    case 5: return launch_halfrow_probe<5>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 #endif
 

@@ -12,7 +12,8 @@
 //   kernel_driver ... --probe-gather1 / --probe-gather2 / --probe-math  time a diagnostic
 //                            launch instead (AttnProbe: the lockstep kernel's gather alone with
 //                            one or two tiles in flight, or its compute alone); bench only, the
-//                            outputs are garbage
+//                            outputs are garbage; --probe-half N: the half-row gather of a D-split
+//                            CTA pair with N (1..5) 32 KB half-tiles in flight
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -50,6 +51,15 @@ static cudaError_t probe_gather2(const jds::SparseSinkAttentionParams& p, cudaSt
 }
 static cudaError_t probe_math(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
   return jds::run_sparse_sink_attention_wgmma_probe(p, jds::AttnProbe::kMathOnly, s);
+}
+static int choose_splits(int b, int s, int h, int k_total, int sms);
+// --probe-half N: the half-row gather of a D-split CTA pair, N half-tiles in flight; two CTAs
+// a work item, so the split count is chosen as for twice the query rows.
+static int half_depth = 0, half_sms = 132;
+static cudaError_t probe_half(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
+  jds::SparseSinkAttentionParams q = p;
+  q.num_splits = choose_splits(p.batch, 2 * p.seq, p.heads, p.k_main + p.k_extra, half_sms);
+  return jds::run_sparse_sink_attention_halfrow_probe(q, half_depth, s);
 }
 
 template <class T>
@@ -542,17 +552,22 @@ int main(int argc, char** argv) {
       run_attn = probe_gather2;
     } else if (std::strcmp(argv[i], "--probe-math") == 0) {
       run_attn = probe_math;
+    } else if (std::strcmp(argv[i], "--probe-half") == 0 && i + 1 < argc) {
+      run_attn = probe_half;
+      half_depth = std::atoi(argv[++i]);
+      half_sms = sms;
     } else if (nargs < 6) {
       args[nargs++] = argv[i];
     }
   }
-  const bool probe = run_attn == probe_gather1 || run_attn == probe_gather2 || run_attn == probe_math;
+  const bool probe = run_attn == probe_gather1 || run_attn == probe_gather2 || run_attn == probe_math || run_attn == probe_half;
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
                                          : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
                                          : run_attn == probe_gather2 ? "probe: lockstep gather alone, 2 tiles in flight"
                                          : run_attn == probe_math    ? "probe: lockstep compute alone"
+                                         : run_attn == probe_half    ? "probe: half-row gather of a D-split pair"
                                                                      : "wgmma lockstep");
   if (nargs > 0 && std::strcmp(args[0], "bench-shape") == 0) return bench_shape(sms, args, nargs);
   if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
