@@ -337,6 +337,19 @@ def test_fp8_long_lists_split_over_ctas_combine_exactly():
     check_fp8(args, sink=jnp.asarray(rng.standard_normal(64) + 3.0, jnp.float32), scale=512**-0.5, inverse_rope=rope)
 
 
+def test_fp8_long_splits_take_the_warp_specialised_schedule_and_match():
+    # >= 16 tiles a split with FP8 pools: the launch goes to the warp-specialised kernel,
+    # whose producers gather and expand the FP8 rows (use_warp_specialised); both pools FP8,
+    # masked rows, one head block.
+    b, s, h, k, k2 = 16, 2, 64, 4000, 100
+    splits = _kernels.choose_splits(b, s, h, k + k2, _ffi.num_sms())
+    tiles = -(-(k + k2) // _kernels.KEYS_PER_TILE)
+    assert -(-tiles // splits) >= 16, "the shape no longer reaches the warp-specialised schedule"
+    args, rng = fp8_case(26, extra_fp8=True, b=b, s=s, h=h, k=k, n=6000, k2=k2, n2=300, drop=0.1)
+    rope = jnp.asarray(rng.standard_normal((b, s, 32, 2)), jnp.float32)
+    check_fp8(args, sink=jnp.asarray(rng.standard_normal(h), jnp.float32), scale=512**-0.5, inverse_rope=rope)
+
+
 def test_fp8_all_masked_rows_give_zeros():
     args, _ = fp8_case(24, b=2, s=1, h=64, k=200, drop=1.0)
     out, lse = run_kernel(args, scale=0.1)

@@ -69,15 +69,14 @@ cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaSt
 // workspace and split-K; its own FFI target, the default for bf16 and FP8 pools on sm_90
 // (jax_dspark/ops/_kernels.py, AUTO_ATTENTION_KERNEL; JAX_DSPARK_ATTENTION_KERNEL=mma
 // forces the other), and kernel_driver --wgmma. Validated on the H200 (docs/kernels.md).
-// Two schedules: lockstep (every warp gathers, then computes; FP8 pools always) and, for
-// bf16 pools of more than one head block over long lists, warp-specialised (a gathering
-// warpgroup beside the two computing ones); use_warp_specialised in the .cu says why.
+// Two schedules: lockstep (every warp gathers, then computes) and, over long lists (FP8
+// pools; bf16 pools of more than one head block), warp-specialised (a gathering, and for FP8
+// expanding, warpgroup beside the two computing ones); use_warp_specialised in the .cu says
+// why.
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 // One schedule forced for every launch: kernel_driver --wgmma-lockstep / --wgmma-ws, to
-// validate and time both on the same shapes. The warp-specialised FP8 instantiation is
-// reachable only here, never from the FFI handlers: its first register split hung the H200
-// and the corrected one (96 / 200) has not run yet (docs/kernels.md).
+// validate and time both on the same shapes.
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
 

@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 }
 
 
-// ---- Warp-specialised schedule (bf16 pools; FP8 pools only through kernel_driver) ------
+// ---- Warp-specialised schedule (long lists; use_warp_specialised) --------------------
 // The lockstep kernel's gather is issued by the same warps that compute, between a tile's
 // barrier and its S: ncu (H200, V4-Pro HCA and dense 16k) puts about 19% of its warp
 // samples on issuing those 16 cp.async per thread (LSU throttle) and 8% more on the wait and
@@ -782,19 +782,25 @@ cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t str
   return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel<kFp8>>(p, kWsThreads, kSmemBytes, stream);
 }
 
-// Which bf16 launches take the warp-specialised schedule. Measured on the H200 (CUDA events,
-// both schedules in one run, docs/kernels.md): it wins only on V4-Pro HCA (103 against 110 us)
-// and loses 3-10% on the four other benchmark shapes. What sets HCA apart: more than one head
-// block reads each KV row (H > 64), so half the gathers hit L2 and the lockstep kernel is
-// bound by issuing them rather than by DRAM, and each CTA walks many tiles (32), so the
-// producers' extra start-up is paid once. Dense 16k (one head block, DRAM-bound) gains
-// nothing from moving the issue; the V4-Pro DSpark block (H 128 but 3 tiles a CTA) loses to
-// the start-up. kWsMinTiles is the smallest tile count measured winning rounded down to a
-// power of two; shapes between 3 and 32 tiles were not measured.
+// Which launches take the warp-specialised schedule (both schedules timed with CUDA events
+// in one run, docs/kernels.md).
+// bf16 pools (H200, 2026-12-04): it wins only on V4-Pro HCA (103 against 110 us) and loses
+// 3-10% on the four other benchmark shapes. What sets HCA apart: more than one head block
+// reads each KV row (H > 64), so half the gathers hit L2 and the lockstep kernel is bound by
+// issuing them rather than by DRAM, and each CTA walks many tiles (32), so the producers'
+// extra start-up is paid once. Dense 16k (one head block, DRAM-bound) gains nothing from
+// moving the issue; the V4-Pro DSpark block (H 128 but 3 tiles a CTA) loses to the start-up.
+// FP8 pools (H100, 2026-12-05): the producers also take the expansion off the compute warps,
+// which the lockstep kernel runs between a tile's landing and its S; from 16 tiles a split on
+// it wins at H 64 and H 128 alike (16 tiles: -1.5% / -6%; 32: -8% / -12%; 64 at H 64: -15%)
+// and below it loses (4 to 10 tiles: +2% to +16%).
+// kWsMinTiles: for bf16 the smallest winning count measured (32) rounded down (no H > 64
+// shape between 3 and 32 tiles measured); for FP8 the measured crossover.
 constexpr int kWsMinTiles = 16;
 bool use_warp_specialised(const SparseSinkAttentionParams& p) {
-  if (p.main_fp8 || p.extra_fp8) return false;  // the FP8 expansion lives in the lockstep kernel
-  return p.heads > kAttnHeadsPerCta && attn_tiles_per_split(p.k_main + p.k_extra, p.num_splits) >= kWsMinTiles;
+  const bool long_splits = attn_tiles_per_split(p.k_main + p.k_extra, p.num_splits) >= kWsMinTiles;
+  if (p.main_fp8 || p.extra_fp8) return long_splits;
+  return p.heads > kAttnHeadsPerCta && long_splits;
 }
 
 cudaError_t run_schedule(const SparseSinkAttentionParams& p, bool warp_specialised, cudaStream_t stream) {
