@@ -852,6 +852,30 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
 }
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
+// The gather probes' loop: kDepth tiles in flight per CTA, each thread waiting for the oldest
+// of its groups and the CTA barrier before issuing the next (`issue(t, idx)` copies tile t,
+// `index_of(t)` is the thread's row index in it, loaded one tile ahead).
+template <int kDepth, class Issue, class IndexOf>
+__device__ __forceinline__ void gather_pipeline(int ntiles, Issue&& issue, IndexOf&& index_of) {
+  int next_idx = -1;
+#pragma unroll
+  for (int t = 0; t < kDepth; ++t) {
+    if (t < ntiles) issue(t, index_of(t));
+    cp_async_commit();
+  }
+  if (kDepth < ntiles) next_idx = index_of(kDepth);
+  for (int t = 0; t < ntiles; ++t) {
+    cp_async_wait<kDepth - 1>();  // groups t .. t + kDepth - 1 were in flight: tile t has landed
+    __syncthreads();              // every thread's share of tile t landed; all are past tile t - 1
+    if (t + kDepth < ntiles) {
+      issue(t + kDepth, next_idx);  // into tile t - 1's stage
+      if (t + kDepth + 1 < ntiles) next_idx = index_of(t + kDepth + 1);
+    }
+    cp_async_commit();  // possibly empty: keeps kDepth groups in flight
+  }
+  cp_async_wait<0>();
+}
+
 // Diagnostic (kernel_driver only): the lockstep kernel's gather with nothing computed, kDepth
 // tiles in flight while the CTA waits for the oldest. kDepth 1 is the lockstep kernel's
 // memory pipeline (two stages: one tile landing while one is used); kDepth 2 uses the Q
@@ -873,23 +897,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_gather_probe_kernel(con
     gather_tile_into<kFp8>(p, smem + stage * kTileBytes, smem + kOffXP + stage * BK, t, key_begin, key_end, row,
                            phase, idx);
   };
-  int next_idx = -1;
-#pragma unroll
-  for (int t = 0; t < kDepth; ++t) {
-    if (t < ntiles) issue(t, row_index(p, t, key_begin, key_end, bs, row));
-    cp_async_commit();
-  }
-  if (kDepth < ntiles) next_idx = row_index(p, kDepth, key_begin, key_end, bs, row);
-  for (int t = 0; t < ntiles; ++t) {
-    cp_async_wait<kDepth - 1>();  // groups t .. t + kDepth - 1 were in flight: tile t has landed
-    __syncthreads();              // every thread's share of tile t landed; all are past tile t - 1
-    if (t + kDepth < ntiles) {
-      issue(t + kDepth, next_idx);  // into tile t - 1's stage
-      if (t + kDepth + 1 < ntiles) next_idx = row_index(p, t + kDepth + 1, key_begin, key_end, bs, row);
-    }
-    cp_async_commit();  // possibly empty: keeps kDepth groups in flight
-  }
-  cp_async_wait<0>();
+  gather_pipeline<kDepth>(ntiles, issue, [&](int t) { return row_index(p, t, key_begin, key_end, bs, row); });
 }
 
 // Diagnostic (kernel_driver only): the memory pipeline of a kernel that would split D between
@@ -924,23 +932,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_halfrow_gather_probe_ke
         *reinterpret_cast<uint4*>(base + chunk_offset(row, chunk)) = make_uint4(0, 0, 0, 0);
     }
   };
-  int next_idx = -1;
-#pragma unroll
-  for (int t = 0; t < kDepth; ++t) {
-    if (t < ntiles) issue(t, row_index(p, t, key_begin, key_end, bs, row));
-    cp_async_commit();
-  }
-  if (kDepth < ntiles) next_idx = row_index(p, kDepth, key_begin, key_end, bs, row);
-  for (int t = 0; t < ntiles; ++t) {
-    cp_async_wait<kDepth - 1>();
-    __syncthreads();
-    if (t + kDepth < ntiles) {
-      issue(t + kDepth, next_idx);
-      if (t + kDepth + 1 < ntiles) next_idx = row_index(p, t + kDepth + 1, key_begin, key_end, bs, row);
-    }
-    cp_async_commit();
-  }
-  cp_async_wait<0>();
+  gather_pipeline<kDepth>(ntiles, issue, [&](int t) { return row_index(p, t, key_begin, key_end, bs, row); });
 }
 
 template <int kDepth>
