@@ -416,6 +416,24 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
   store_head_rows(p, o, lse, inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
 }
 
+// This thread's share of the Q block (heads h0 .. h0 + 63 of query row bs) into `dst` in the
+// tile layout, by cp.async (the caller commits); absent heads as zeros (their rows of O are
+// never stored).
+__device__ __forceinline__ void issue_q_block(const SparseSinkAttentionParams& p, uint8_t* dst, int64_t bs, int h0,
+                                              int row, int phase) {
+  const int h = h0 + row;
+  const uint8_t* src = static_cast<const uint8_t*>(p.q) + (bs * p.heads + h) * int64_t(D * 2);
+#pragma unroll
+  for (int i = 0; i < kChunksPerThread; ++i) {
+    const int chunk = phase + 4 * i;
+    uint8_t* at = dst + chunk_offset(row, chunk);
+    if (h < p.heads)
+      cp_async_16(smem_addr(at), src + chunk * 16);
+    else
+      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // kMathOnly (diagnostic builds only, JAX_DSPARK_ATTENTION_PROBES): tiles 0 and 1 are gathered
 // as usual, later tiles are not (their stages keep tiles 0 and 1), so the kernel times the
 // compute chain without the memory behind it. Results are meaningless then.
@@ -433,19 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   const int phase = tid & 3;   // gather: chunks phase, phase + 4, ...
 
   // Q block (absent heads as zeros) and tile 0: cp.async group 0.
-  {
-    const int h = h0 + row;
-    const uint8_t* src = static_cast<const uint8_t*>(p.q) + (bs * p.heads + h) * int64_t(D * 2);
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int chunk = phase + 4 * i;
-      uint8_t* dst = smem + kOffQ + chunk_offset(row, chunk);
-      if (h < p.heads)
-        cp_async_16(smem_addr(dst), src + chunk * 16);
-      else
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  issue_q_block(p, smem + kOffQ, bs, h0, row, phase);
   int next_idx = -1;
   IssuedRow in_flight{false, make_uint2(0u, 0u)};
   if (ntiles > 0)
@@ -607,19 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_qregs
   auto stage_valid = [&](int t) { return smem + kQrOffValid + (t % kQrStages) * BK; };
 
   // Q block (absent heads as zeros) into stage 2 with tile 0 (group 0), tile 1 (group 1).
-  {
-    const int h = item.h0 + row;
-    const uint8_t* src = static_cast<const uint8_t*>(p.q) + (bs * p.heads + h) * int64_t(D * 2);
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int chunk = phase + 4 * i;
-      uint8_t* dst = smem + 2 * kTileBytes + chunk_offset(row, chunk);
-      if (h < p.heads)
-        cp_async_16(smem_addr(dst), src + chunk * 16);
-      else
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  issue_q_block(p, smem + 2 * kTileBytes, bs, item.h0, row, phase);
   IssuedRow pending[2] = {{false, make_uint2(0u, 0u)}, {false, make_uint2(0u, 0u)}};  // tile t's at [t & 1]
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
