@@ -104,3 +104,24 @@ def test_round_trip_inside_one_jit_still_rounds_on_gpu():
     separate = np.asarray(jax.jit(lambda v, e: ops.dequantize_fp8(v, e, dtype=jnp.float32))(values, exps))
     np.testing.assert_array_equal(inside, separate)
     assert not np.array_equal(inside, np.asarray(x))
+
+
+def test_scale_byte_from_the_bits_of_amax_equals_the_division_for_every_mantissa():
+    """The CUDA prep kernel reads the scale byte from amax's bits instead of dividing by 448
+    (`ue8m0_exponent` in csrc/prep/rms_norm_rope.cu): byte = biased exponent - 8, plus one
+    when the mantissa exceeds 1.75's. This pins that identity against the reference's
+    division, for all 2^23 mantissas at several exponents, the 1e-4 floor and infinity."""
+    from jax_dspark.ops import fp8
+
+    mantissas = np.arange(1 << 23, dtype=np.uint32)
+    for biased in (100, 127, 128, 140, 254):
+        amax = ((np.uint32(biased) << 23) | mantissas).view(np.float32)
+        want = np.asarray(fp8._scale_exponent(jnp.asarray(amax))) + 127
+        bits = np.maximum(amax, np.float32(fp8.AMAX_FLOOR)).view(np.uint32)
+        got = (bits >> 23).astype(np.int64) - 8 + ((bits & 0x7FFFFF) > 0x600000)
+        np.testing.assert_array_equal(got, want, err_msg=f"biased exponent {biased}")
+    for amax in (0.0, 1e-9, 1e-4):  # floored: the byte of 1e-4
+        bits = np.maximum(np.float32(amax), np.float32(fp8.AMAX_FLOOR)).view(np.uint32)
+        assert int(bits >> 23) - 8 + int((bits & 0x7FFFFF) > 0x600000) == 105
+    # an infinite amax: 127 in the kernel, as in the reference (frexp's exponent 0 for inf)
+    assert int(np.asarray(fp8._scale_exponent(jnp.asarray([np.inf], jnp.float32)))[0]) + 127 == 127

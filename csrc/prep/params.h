@@ -28,6 +28,8 @@ struct RmsNormRopeParams {
   int sms;             // multiprocessors of the device (sizes the persistent grid; 0 = one block per 8 rows)
   int64_t rows_per_weight_group;  // set by run_rms_norm_rope: rows / weight_groups
   int64_t rows_per_freq_row;      // set by run_rms_norm_rope: rows / freq_rows
+  // set at the stream kernel's launch, for its row stride (8 x grid): stride / and % per group
+  int64_t weight_step_q, weight_step_r, freq_step_q, freq_step_r;
 };
 
 cudaError_t run_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream);

@@ -61,28 +61,48 @@ struct Vec8<float> {
   }
 };
 
-// UE8M0 exponent of a block: 127 + ceil(log2(max(amax, 1e-4) / 448)), computed exactly from
-// the bits of the quotient (what frexpf gives, without its denormal handling: the quotient
-// is at least 2.2e-7, a normal float). An infinite amax gives 127, as frexpf's exponent 0.
+// UE8M0 exponent of a block: 127 + ceil(log2(q)) with q = RN(max(amax, 1e-4) / 448), read
+// from the bits of a = max(amax, 1e-4) without dividing (a float division is a dozen
+// instructions and a slow-path call, per block of every row). 448 = 7 x 2^6, so with
+// a = m x 2^E (m in [1, 2)): for m >= 1.75, q = RN(4m / 7) x 2^(E - 8) with 4m / 7 in
+// [1, 1.143), a power of two only at m = 1.75 exactly; for m < 1.75, q = RN(8m / 7) x 2^(E - 9)
+// with 8m / 7 in (1, 2) and never rounded up to 2 (its largest value lies 1.14 ulp below).
+// Both give ceil(log2(q)) = E - 8 + (m > 1.75); tests/test_fp8.py checks the identity against
+// the reference's division for every mantissa. An infinite amax gives 127, as the reference.
 __device__ __forceinline__ int ue8m0_exponent(float amax) {
-  const uint32_t bits = __float_as_uint(fmaxf(amax, 1e-4f) / 448.f);
-  const int biased = int(bits >> 23) & 0xff;  // quotient = 1.f x 2^(biased - 127), positive
+  const uint32_t bits = __float_as_uint(fmaxf(amax, 1e-4f));  // normal and positive
+  const int biased = int(bits >> 23);
   if (biased == 0xff) return 127;
-  return (bits & 0x7fffffu) == 0 ? biased : biased + 1;  // a power of two needs no rounding up
+  return biased - 8 + int((bits & 0x7fffffu) > 0x600000u);  // 0x600000: the mantissa bits of 1.75
 }
 
-// The weight group / table row of `row`: row / per, in 32 bits whenever the row count fits
-// (a 64-bit division is a called subroutine on the GPU, and this runs twice per row).
-__device__ __forceinline__ int64_t group_of(const RmsNormRopeParams& p, int64_t row, int64_t per) {
-  return p.rows <= int64_t(UINT32_MAX) ? int64_t(uint32_t(row) / uint32_t(per)) : row / per;
+// n / d for non-negative n and d > 0, in 32 bits whenever both fit (a 64-bit division is a
+// called subroutine on the GPU). The register kernel divides once per row for its weight group
+// and table row; the stream kernel divides once per thread and then steps a RowGroup.
+__device__ __forceinline__ int64_t div_rows(int64_t n, int64_t d) {
+  return (n | d) <= int64_t(UINT32_MAX) ? int64_t(uint32_t(n) / uint32_t(d)) : n / d;
 }
+
+// row / per for a row that advances by a fixed stride (a persistent warp's rows): quotient and
+// remainder move by stride / per and stride % per (`dq`, `dr`: computed on the host for the
+// launch's grid, so they cost no registers) with one carry, instead of a division per row
+// (two per row, weight and table, were ~40 of the stream kernel's instructions).
+struct RowGroup {
+  int64_t q, r;
+  __device__ __forceinline__ RowGroup(int64_t row, int64_t per) : q(div_rows(row, per)), r(row - q * per) {}
+  __device__ __forceinline__ void advance(int64_t dq, int64_t dr, int64_t per) {
+    q += dq, r += dr;
+    if (r >= per) r -= per, ++q;
+  }
+};
 
 // (cos, sin) pairs of the lanes whose 8 elements of chunk c fall in the RoPE span (R % 8 == 0,
-// so 8 elements are 4 whole pairs). Independent of x, so callers issue it early.
+// so 8 elements are 4 whole pairs), from table row `fr`. Independent of x, so callers issue it
+// early.
 template <int CHUNKS>
-__device__ __forceinline__ void load_freqs(const RmsNormRopeParams& p, int64_t row, int lane, float4 (&cs)[CHUNKS][2]) {
+__device__ __forceinline__ void load_freqs(const RmsNormRopeParams& p, int64_t freq_row, int lane, float4 (&cs)[CHUNKS][2]) {
   if (p.rope_dim == 0) return;
-  const float* fr = p.freqs + group_of(p, row, p.rows_per_freq_row) * int64_t(p.rope_dim);
+  const float* fr = p.freqs + freq_row * int64_t(p.rope_dim);
   const int rope_lo = p.dim - p.rope_dim;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -94,11 +114,15 @@ __device__ __forceinline__ void load_freqs(const RmsNormRopeParams& p, int64_t r
   }
 }
 
-// Everything after the row is in registers: RMSNorm (sum over the warp), weight, RoPE with the
-// pairs from `load_freqs`, then the store in x's dtype or the FP8 blocks and their exponents.
-template <typename T, int CHUNKS>
+// Everything after the row is in registers: RMSNorm (sum over the warp), weight row `w` (null:
+// none), RoPE with the pairs from `load_freqs`, then the store in x's dtype or, for FP8 = 64 or
+// 128, the FP8 blocks and their exponents. FP8 is a template argument so the block's lane
+// count, shuffle distances and shifts are constants (as a runtime value it cost a loop of
+// shuffles with divergence checks per chunk). `inv_dim` = 1 / D.
+template <typename T, int CHUNKS, int FP8>
 __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t row, int lane, float (&v)[CHUNKS][8],
-                                           const float4 (&cs)[CHUNKS][2]) {
+                                           const float4 (&cs)[CHUNKS][2], const float* w, float inv_dim) {
+  static_assert(FP8 == 0 || FP8 == 64 || FP8 == 128, "FP8 block is 0 (none), 64 or 128");
   const int64_t base = row * p.dim;
   const int rope_lo = p.dim - p.rope_dim;
   float ss = 0.f;
@@ -111,9 +135,8 @@ __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t r
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float rinv = rsqrtf(ss / float(p.dim) + p.eps);
+  const float rinv = rsqrtf(ss * inv_dim + p.eps);
   const float sgn = p.inverse ? -1.f : 1.f;
-  const float* w = p.weight ? p.weight + group_of(p, row, p.rows_per_weight_group) * p.dim : nullptr;
 
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -143,46 +166,46 @@ __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t r
     }
   }
 
-  if (p.fp8_block == 0) {
+  if constexpr (FP8 == 0) {
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       const int e0 = c * kChunk + lane * 8;
       if (e0 < p.dim) Vec8<T>::store(p.y, base + e0, v[c]);
     }
-    return;
-  }
-
-  // FP8: a block of B elements spans B / 8 consecutive lanes of one chunk (D % B == 0).
-  const int lanes_per_block = p.fp8_block / 8;
-  const int block_shift = p.fp8_block == 64 ? 6 : 7;  // fp8_block is 64 or 128
-  const int blocks_per_row = p.dim >> block_shift;
-  uint8_t* y8 = static_cast<uint8_t*>(p.y);
+  } else {
+    // A block of FP8 elements spans FP8 / 8 consecutive lanes of one chunk (D % FP8 == 0).
+    constexpr int kLanesPerBlock = FP8 / 8;
+    constexpr int kBlockShift = FP8 == 64 ? 6 : 7;
+    const int64_t exp_base = row * (p.dim >> kBlockShift);
+    uint8_t* y8 = static_cast<uint8_t*>(p.y);
 #pragma unroll
-  for (int c = 0; c < CHUNKS; ++c) {
-    const int e0 = c * kChunk + lane * 8;
-    if (c * kChunk >= p.dim) break;  // warp-uniform: whole warp leaves together
-    const bool active = e0 < p.dim;
-    float amax = 0.f;
-    if (active) {
+    for (int c = 0; c < CHUNKS; ++c) {
+      const int e0 = c * kChunk + lane * 8;
+      if (c * kChunk >= p.dim) break;  // warp-uniform: whole warp leaves together
+      const bool active = e0 < p.dim;
+      float amax = 0.f;
+      if (active) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[c][i]));
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[c][i]));
+      }
+#pragma unroll
+      for (int o = 1; o < kLanesPerBlock; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (!active) continue;
+      const int ex = ue8m0_exponent(amax);
+      const float inv_scale = __int_as_float((254 - ex) << 23);  // 2^(127 - ex), exact
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_fp8x2_storage_t pr = __nv_cvt_float2_to_fp8x2(
+            make_float2(v[c][2 * k] * inv_scale, v[c][2 * k + 1] * inv_scale), __NV_SATFINITE, __NV_E4M3);
+        if (k < 2)
+          lo |= uint32_t(pr) << (16 * k);
+        else
+          hi |= uint32_t(pr) << (16 * (k - 2));
+      }
+      *reinterpret_cast<uint2*>(y8 + base + e0) = make_uint2(lo, hi);
+      if (lane % kLanesPerBlock == 0) p.exps[exp_base + (e0 >> kBlockShift)] = uint8_t(ex);
     }
-    for (int o = 1; o < lanes_per_block; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (!active) continue;
-    const int ex = ue8m0_exponent(amax);
-    const float inv_scale = __int_as_float((254 - ex) << 23);  // 2^(127 - ex), exact
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const __nv_fp8x2_storage_t pr = __nv_cvt_float2_to_fp8x2(
-          make_float2(v[c][2 * k] * inv_scale, v[c][2 * k + 1] * inv_scale), __NV_SATFINITE, __NV_E4M3);
-      if (k < 2)
-        lo |= uint32_t(pr) << (16 * k);
-      else
-        hi |= uint32_t(pr) << (16 * (k - 2));
-    }
-    *reinterpret_cast<uint2*>(y8 + base + e0) = make_uint2(lo, hi);
-    if (lane % lanes_per_block == 0) p.exps[row * blocks_per_row + (e0 >> block_shift)] = uint8_t(ex);
   }
 }
 
@@ -191,7 +214,7 @@ __device__ __forceinline__ void finish_row(const RmsNormRopeParams& p, int64_t r
 // registers its width needs. The row and its (cos, sin) pairs are loaded before the first is
 // used, so each warp waits for DRAM once; the weight, shared by many rows and so an L1 / L2
 // hit, is read only when applied.
-template <typename T, int CHUNKS>
+template <typename T, int CHUNKS, int FP8>
 __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopeParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
@@ -203,8 +226,9 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
     const int e0 = c * kChunk + lane * 8;
     if (e0 < p.dim) Vec8<T>::load(p.x, row * p.dim + e0, v[c]);
   }
-  load_freqs<CHUNKS>(p, row, lane, cs);
-  finish_row<T, CHUNKS>(p, row, lane, v, cs);
+  if (p.rope_dim > 0) load_freqs<CHUNKS>(p, div_rows(row, p.rows_per_freq_row), lane, cs);
+  const float* w = p.weight ? p.weight + div_rows(row, p.rows_per_weight_group) * p.dim : nullptr;
+  finish_row<T, CHUNKS, FP8>(p, row, lane, v, cs, w, 1.f / float(p.dim));
 }
 
 // Rows of at most 1 KB (bf16 D <= 512, f32 D <= 256: every V4 / DSpark q and kv row): the
@@ -215,11 +239,13 @@ __global__ void __launch_bounds__(256) rms_norm_rope_kernel(const RmsNormRopePar
 // per block, so the bytes in flight no longer cost registers. Each warp takes its row of the group from shared memory;
 // one CTA barrier per group releases the stage to the next copy. The (cos, sin) pairs of a
 // warp's next row are loaded one group ahead (per-row tables, as for kv, come from DRAM).
+// A warp's rows advance by 8 x gridDim.x, so their weight group and table row are stepped
+// (RowGroup), not divided.
 constexpr int kStreamStages = 4;
 constexpr int kStreamRowBytes = 1024;
-constexpr int kStreamBlocksPerSm = 3;  // guaranteed by the launch bounds: 3 x 33 KB of ring, <= 85 registers (4 spills)
+constexpr int kStreamBlocksPerSm = 3;  // guaranteed by the launch bounds: 3 x 33 KB of ring, <= 85 registers
 
-template <typename T, int CHUNKS>
+template <typename T, int CHUNKS, int FP8>
 __global__ void __launch_bounds__(256, kStreamBlocksPerSm) rms_norm_rope_stream_kernel(const RmsNormRopeParams p) {
   static_assert(CHUNKS * kChunk * sizeof(T) <= kStreamRowBytes, "a warp's row must fit its 1 KB slot of the ring");
   __shared__ alignas(128) uint8_t ring[kStreamStages][8 * kStreamRowBytes];
@@ -243,8 +269,13 @@ __global__ void __launch_bounds__(256, kStreamBlocksPerSm) rms_norm_rope_stream_
   }
   __syncthreads();
 
+  const int64_t first = int64_t(blockIdx.x) * 8 + warp, stride = int64_t(gridDim.x) * 8;
+  RowGroup wg(first, p.rows_per_weight_group);  // of the current row
+  RowGroup fg(first, p.rows_per_freq_row);      // of the row whose pairs are loaded next
+  const float inv_dim = 1.f / float(p.dim);
   float4 cs[CHUNKS][2];
-  load_freqs<CHUNKS>(p, int64_t(blockIdx.x) * 8 + warp < p.rows ? int64_t(blockIdx.x) * 8 + warp : 0, lane, cs);
+  if (first < p.rows) load_freqs<CHUNKS>(p, fg.q, lane, cs);
+  fg.advance(p.freq_step_q, p.freq_step_r, p.rows_per_freq_row);
   int it = 0;
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x, ++it) {
     const int s = it % kStreamStages;
@@ -264,36 +295,50 @@ __global__ void __launch_bounds__(256, kStreamBlocksPerSm) rms_norm_rope_stream_
     float4 cur[CHUNKS][2];
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) cur[c][0] = cs[c][0], cur[c][1] = cs[c][1];
-    const int64_t next = (g + gridDim.x) * 8 + warp;
-    if (next < p.rows) load_freqs<CHUNKS>(p, next, lane, cs);
-    if (live) finish_row<T, CHUNKS>(p, row, lane, v, cur);
+    if (row + stride < p.rows) load_freqs<CHUNKS>(p, fg.q, lane, cs);
+    fg.advance(p.freq_step_q, p.freq_step_r, p.rows_per_freq_row);
+    if (live) finish_row<T, CHUNKS, FP8>(p, row, lane, v, cur, p.weight ? p.weight + wg.q * p.dim : nullptr, inv_dim);
+    wg.advance(p.weight_step_q, p.weight_step_r, p.rows_per_weight_group);
   }
 }
 
-template <typename T>
-cudaError_t launch_rows(const RmsNormRopeParams& p, cudaStream_t stream) {
+// The launch for one FP8 block size (0: none).
+template <typename T, int FP8>
+cudaError_t launch_block(RmsNormRopeParams p, cudaStream_t stream) {
   const int chunks = (p.dim + kChunk - 1) / kChunk;
   const int64_t groups = (p.rows + 7) / 8;
   if (int64_t(p.dim) * sizeof(T) <= kStreamRowBytes) {
     const int64_t resident = int64_t(p.sms) * kStreamBlocksPerSm;
     const unsigned blocks = unsigned(p.sms > 0 && resident < groups ? resident : groups);
+    const int64_t stride = int64_t(blocks) * 8;  // rows between a warp's consecutive rows
+    p.weight_step_q = stride / p.rows_per_weight_group, p.weight_step_r = stride % p.rows_per_weight_group;
+    p.freq_step_q = stride / p.rows_per_freq_row, p.freq_step_r = stride % p.rows_per_freq_row;
     if constexpr (sizeof(T) == 2) {  // bf16 rows of up to 512 elements: 1 or 2 chunks
       if (chunks > 1) {
-        rms_norm_rope_stream_kernel<T, 2><<<blocks, 256, 0, stream>>>(p);
+        rms_norm_rope_stream_kernel<T, 2, FP8><<<blocks, 256, 0, stream>>>(p);
         return cudaGetLastError();
       }
     }
-    rms_norm_rope_stream_kernel<T, 1><<<blocks, 256, 0, stream>>>(p);  // f32 rows: at most 256 elements
+    rms_norm_rope_stream_kernel<T, 1, FP8><<<blocks, 256, 0, stream>>>(p);  // f32 rows: at most 256 elements
     return cudaGetLastError();
   }
   const unsigned blocks = unsigned(groups);
   if (chunks <= 2)
-    rms_norm_rope_kernel<T, 2><<<blocks, 256, 0, stream>>>(p);
+    rms_norm_rope_kernel<T, 2, FP8><<<blocks, 256, 0, stream>>>(p);
   else if (chunks <= 4)
-    rms_norm_rope_kernel<T, 4><<<blocks, 256, 0, stream>>>(p);
+    rms_norm_rope_kernel<T, 4, FP8><<<blocks, 256, 0, stream>>>(p);
   else
-    rms_norm_rope_kernel<T, kMaxChunks><<<blocks, 256, 0, stream>>>(p);
+    rms_norm_rope_kernel<T, kMaxChunks, FP8><<<blocks, 256, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_rows(const RmsNormRopeParams& p, cudaStream_t stream) {
+  switch (p.fp8_block) {
+    case 64: return launch_block<T, 64>(p, stream);
+    case 128: return launch_block<T, 128>(p, stream);
+    default: return launch_block<T, 0>(p, stream);  // the handler admits only 0, 64 and 128
+  }
 }
 
 }  // namespace
