@@ -79,12 +79,6 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
 // validate and time both on the same shapes.
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
-// A third schedule, reachable only here (kernel_driver --wgmma-qregs), never from the FFI
-// handlers: Q held in registers, three stages (tiles t + 1 and t + 2 in flight while t is
-// computed). Correct on an H100 and slower there, where the bf16 gather alone already runs
-// at the HBM's rate; kept to be timed on the H200, whose HBM leaves the gather headroom
-// (docs/kernels.md, "Probes run").
-cudaError_t run_sparse_sink_attention_wgmma_qregs(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
 // Diagnostic launches for kernel_driver builds (never in the library): where the lockstep

@@ -492,173 +492,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 
 
 
-// ---- Q in registers, three stages (bf16 and FP8 pools) ---------------------------------
-// The lockstep kernel keeps one 64-row tile in flight per CTA: Q's 64 KB and two stages fill
-// shared memory, and at one CTA an SM that bounds the bytes in flight the memory system sees
-// (docs/kernels.md, "probes"). Here Q lives in registers once loaded, which frees its 64 KB
-// for a third stage: tiles t + 1 and t + 2 are in flight while tile t is computed.
-// Registers are the price: Q as wgmma A fragments is 128 registers a thread for all of D, too
-// many beside O's 128, so each warpgroup holds its half of D (64 registers: Q[:, 256c ..
-// 256c + 255]) and computes S over that half for all 64 keys of the tile, in two m64n32
-// products: X for the partner warpgroup's 32 keys (handed over through shared memory) and Y
-// for its own. A thread's S is then Y plus its partner's X (the same rows and key offsets),
-// after which the tile is the lockstep kernel's (softmax_pv). Tensor work is unchanged (S
-// once, P V once); the hand-over adds 8 KB of stores and loads a warpgroup per tile and one
-// named-barrier round. ptxas: 255 registers, 16 (bf16) / 20 (FP8) bytes spilled.
-// Status (2026-12-05): correct on an H100 (kernel_driver --wgmma-qregs, all 15 attention
-// cases) and 1-3% slower there for bf16, 14-38% for FP8 (the serial in-register expansion);
-// on that card the bf16 gather alone already runs at the HBM's rate, so the extra depth
-// could not show. Reached only through kernel_driver until the H200, whose HBM leaves the
-// gather headroom, has timed it (docs/kernels.md, "Probes run").
-constexpr int kQrStages = 3;
-constexpr int kQrOffValid = kQrStages * kTileBytes;
-constexpr int kQrOffSwap = kQrOffValid + kQrStages * BK;    // row maxima, then P fragments
-constexpr int kQrOffXS = kQrOffSwap + 2 * BM * 4 + kThreads * 32;  // S halves: [4][256] float4
-constexpr int kQrSmemBytes = kQrOffXS + kThreads * 64;
-static_assert(kQrOffSwap % 16 == 0 && kQrOffXS % 16 == 0, "swap areas: 16-byte stores");
-static_assert(kQrSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
-
-// This thread's A fragments of Q for its warpgroup's half of D (k16 steps 16c .. 16c + 15 of
-// the 32 over D), read from the Q block staged at `qs` in the tile layout: the m16n8k16 A
-// layout of warp w's heads 16w .. 16w + 15 (a0 / a1: rows g / g + 8 at dims 2 q4, 2 q4 + 1 of
-// the step; a2 / a3: the same rows 8 dims on).
-__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[16][4], const uint8_t* qs, int tid) {
-  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
-  const int r0 = 16 * w + g;
-#pragma unroll
-  for (int ks = 0; ks < 16; ++ks) {
-    const int chunk = 32 * c + 2 * ks;
-    qa[ks][0] = *reinterpret_cast<const uint32_t*>(qs + chunk_offset(r0, chunk) + 4 * q4);
-    qa[ks][1] = *reinterpret_cast<const uint32_t*>(qs + chunk_offset(r0 + 8, chunk) + 4 * q4);
-    qa[ks][2] = *reinterpret_cast<const uint32_t*>(qs + chunk_offset(r0, chunk + 1) + 4 * q4);
-    qa[ks][3] = *reinterpret_cast<const uint32_t*>(qs + chunk_offset(r0 + 8, chunk + 1) + 4 * q4);
-  }
-}
-
-// Issues S over this warpgroup's half of D for the 32 keys whose rows start at k_base (16
-// of them for a short tile), A = Q from registers; committed as one wgmma group.
-template <bool kShort>
-__device__ __forceinline__ void issue_s_half(float (&sc)[16], const uint32_t (&qa)[16][4], uint32_t k_base, int c) {
-#pragma unroll
-  for (int ks = 0; ks < 16; ++ks) {
-    const int kg = 16 * c + ks;  // k16 step over all of D
-    const uint64_t db = gmma_desc_sw128(k_base + (kg >> 2) * kBlockBytes + (kg & 3) * 32, 16, 1024);
-    if constexpr (kShort)
-      wgmma_m64n16k16_rs(sc, qa[ks], db, ks > 0);
-    else
-      wgmma_m64n32k16_rs(sc, qa[ks], db, ks > 0);
-  }
-  wgmma_commit();
-}
-
-// One tile with Q in registers: X (partner's keys) and Y (own keys) over this warpgroup's
-// half of D, X handed to the partner thread tid ^ 128 through `xs`, S = Y + partner's X.
-template <bool kShort>
-__device__ __forceinline__ void consume_tile_qregs(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2],
-                                                   uint8_t* smem, const uint32_t (&qa)[16][4], uint32_t kv_base,
-                                                   const uint8_t* s_valid, float sl2, int tid) {
-  const int c = tid >> 7, w = (tid >> 5) & 3;
-  float sc[16];
-  float4* xs = reinterpret_cast<float4*>(smem + kQrOffXS);  // [i][thread]
-  {
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) x[i] = 0.f;
-    wgmma_fence();
-    issue_s_half<kShort>(x, qa, kv_base + (1 - c) * 32 * 128, c);
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 16; ++i) reg_fence(x[i]);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      xs[i * kThreads + tid] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
-  }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) sc[i] = 0.f;
-  wgmma_fence();
-  issue_s_half<kShort>(sc, qa, kv_base + c * 32 * 128, c);
-  wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
-  named_barrier_sync(1 + w, 64);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 v = xs[i * kThreads + (tid ^ 128)];
-    sc[4 * i] += v.x, sc[4 * i + 1] += v.y, sc[4 * i + 2] += v.z, sc[4 * i + 3] += v.w;
-  }
-  softmax_pv<kShort, kQrOffSwap>(o, m_run, l_run, smem, sc, kv_base, s_valid, sl2, tid);
-}
-
-// The issuing thread's FP8 row staged in place (e4m3) -> bf16, one staged chunk at a time:
-// walking the chunks downwards, expanded chunk i lands in the slot of staged chunks 2i and
-// 2i + 1, both read by then (i = 0 reads its own first), so two registers hold the staging
-// instead of expand_fp8_row's 28 (this kernel keeps Q's 64 beside O's 128).
-__device__ __forceinline__ void expand_fp8_row_downwards(uint8_t* base, int row, int phase, uint2 scale) {
-#pragma unroll
-  for (int i = kNopeChunks / 4 - 1; i >= 0; --i) {
-    const uint2 v = *reinterpret_cast<const uint2*>(base + staged_fp8_offset(row, phase, i));
-    *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = expanded_chunk(v, scale, i);
-  }
-}
-
-template <bool kFp8>
-__global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_qregs_kernel(const SparseSinkAttentionParams p) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
-  const AttnWorkItem item = attn_work_item(p);
-  const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
-  const int64_t bs = item.bs;
-  const int tid = threadIdx.x, row = tid >> 2, phase = tid & 3;
-  auto stage_base = [&](int t) { return smem + (t % kQrStages) * kTileBytes; };
-  auto stage_valid = [&](int t) { return smem + kQrOffValid + (t % kQrStages) * BK; };
-
-  // Q block (absent heads as zeros) into stage 2 with tile 0 (group 0), tile 1 (group 1).
-  issue_q_block(p, smem + 2 * kTileBytes, bs, item.h0, row, phase);
-  IssuedRow pending[2] = {{false, make_uint2(0u, 0u)}, {false, make_uint2(0u, 0u)}};  // tile t's at [t & 1]
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    if (t < ntiles)
-      pending[t] = gather_tile_into<kFp8>(p, stage_base(t), stage_valid(t), t, key_begin, key_end, row, phase,
-                                          row_index(p, t, key_begin, key_end, bs, row));
-    cp_async_commit();
-  }
-  int next_idx = ntiles > 2 ? row_index(p, 2, key_begin, key_end, bs, row) : -1;
-  cp_async_wait<1>();
-  __syncthreads();  // every thread's share of Q landed
-  uint32_t qa[16][4];
-  load_q_fragments(qa, smem + 2 * kTileBytes, tid);
-
-  float o[32][4], m_run[2], l_run[2];
-  init_rows(o, m_run, l_run);
-  const float sl2 = p.scale * kLog2e;
-  for (int t = 0; t < ntiles; ++t) {
-    // One CTA barrier per tile. Before it: tile t (the older of the two groups in flight)
-    // landed for this thread and its FP8 row is expanded. After it: every warp is past tile
-    // t - 1's math (and, at t = 0, past reading Q), so tile t + 2 may go into that stage.
-    cp_async_wait<1>();
-    if constexpr (kFp8) {
-      if (pending[t & 1].fp8) expand_fp8_row_downwards(stage_base(t), row, phase, pending[t & 1].scale);
-    }
-    fence_proxy_async_smem();
-    __syncthreads();
-    pending[t & 1] = IssuedRow{false, make_uint2(0u, 0u)};
-    if (t + 2 < ntiles) {
-      pending[t & 1] = gather_tile_into<kFp8>(p, stage_base(t + 2), stage_valid(t + 2), t + 2, key_begin, key_end,
-                                              row, phase, next_idx);
-      if (t + 3 < ntiles) next_idx = row_index(p, t + 3, key_begin, key_end, bs, row);
-    }
-    cp_async_commit();
-    const uint32_t kv_base = smem_addr(stage_base(t));
-    if (key_end - (key_begin + t * BK) <= 16)
-      consume_tile_qregs<true>(o, m_run, l_run, smem, qa, kv_base, stage_valid(t), sl2, tid);
-    else
-      consume_tile_qregs<false>(o, m_run, l_run, smem, qa, kv_base, stage_valid(t), sl2, tid);
-  }
-  cp_async_wait<0>();  // nothing may be in flight at exit
-
-  finish_rows<kQrOffSwap>(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
-}
-
 // ---- Warp-specialised schedule (long lists; use_warp_specialised) --------------------
 // The lockstep kernel's gather is issued by the same warps that compute, between a tile's
 // barrier and its S: ncu (H200, V4-Pro HCA and dense 16k) puts about 19% of its warp
@@ -991,12 +824,7 @@ bool use_warp_specialised(const SparseSinkAttentionParams& p) {
   return p.heads > kAttnHeadsPerCta && long_splits;
 }
 
-enum class Schedule { kLockstep, kWarpSpecialised, kQInRegisters };
-
-template <bool kFp8>
-cudaError_t launch_wgmma_qregs(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  return launch_attention_grid<sparse_sink_attention_wgmma_qregs_kernel<kFp8>>(p, kThreads, kQrSmemBytes, stream);
-}
+enum class Schedule { kLockstep, kWarpSpecialised };
 
 cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, cudaStream_t stream) {
   if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
@@ -1006,9 +834,6 @@ cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, 
     case Schedule::kLockstep: err = fp8 ? launch_wgmma<true>(p, stream) : launch_wgmma<false>(p, stream); break;
     case Schedule::kWarpSpecialised:
       err = fp8 ? launch_wgmma_ws<true>(p, stream) : launch_wgmma_ws<false>(p, stream);
-      break;
-    case Schedule::kQInRegisters:
-      err = fp8 ? launch_wgmma_qregs<true>(p, stream) : launch_wgmma_qregs<false>(p, stream);
       break;
   }
   if (err != cudaSuccess || p.num_splits == 1) return err;
@@ -1062,10 +887,6 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
 
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return run_schedule(p, Schedule::kLockstep, stream);
-}
-
-cudaError_t run_sparse_sink_attention_wgmma_qregs(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  return run_schedule(p, Schedule::kQInRegisters, stream);
 }
 
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {

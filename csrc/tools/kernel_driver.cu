@@ -3,8 +3,7 @@
 //                            compute-sanitizer: every out-of-bounds access is reported), outputs
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
-//   kernel_driver ... --wgmma-lockstep / --wgmma-ws / --wgmma-qregs  one wgmma schedule forced
-//                            (FP8 pools too; --wgmma-qregs: the Q-in-registers kernel, driver only)
+//   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
@@ -547,8 +546,6 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_lockstep;
     } else if (std::strcmp(argv[i], "--wgmma-ws") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
-    } else if (std::strcmp(argv[i], "--wgmma-qregs") == 0) {
-      run_attn = jds::run_sparse_sink_attention_wgmma_qregs;
     } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {
       run_attn = probe_gather1;
     } else if (std::strcmp(argv[i], "--probe-gather2") == 0) {
@@ -567,7 +564,6 @@ int main(int argc, char** argv) {
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
-                                         : run_attn == jds::run_sparse_sink_attention_wgmma_qregs ? "wgmma Q in registers, 3 stages"
                                          : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
                                          : run_attn == probe_gather2 ? "probe: lockstep gather alone, 2 tiles in flight"
                                          : run_attn == probe_math    ? "probe: lockstep compute alone"
