@@ -7,6 +7,7 @@
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
+//   kernel_driver ... --prep-half  prep rows of <= 1 KB half a warp each (not dispatched by the library)
 //   kernel_driver bench-shape B S H K [fp8]  the same timing for one shape (K list rows, one
 //                            pool): sweeps such as the warp-specialised schedule's threshold
 //   kernel_driver ... --probe-gather1 / --probe-gather2 / --probe-math  time a diagnostic
@@ -56,6 +57,9 @@ static int choose_splits(int b, int s, int h, int k_total, int sms);
 // --probe-half N: the half-row gather of a D-split CTA pair, N half-tiles in flight; two CTAs
 // a work item, so the split count is chosen as for twice the query rows.
 static int half_depth = 0, half_sms = 132;
+// --prep-half: prep rows of <= 1 KB half a warp each where the layout allows
+// (RmsNormRopeParams::half_warp_rows), the layout the library does not dispatch yet.
+static int prep_half = 0;
 static cudaError_t probe_half(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
   jds::SparseSinkAttentionParams q = p;
   q.num_splits = choose_splits(p.batch, 2 * p.seq, p.heads, p.k_main + p.k_extra, half_sms);
@@ -383,6 +387,7 @@ static int memcheck(int sms) {
     // sms = 1: 3 persistent blocks cycle their groups through the ring many times; the result
     // must equal the one-group-per-block launch (sms = 0) byte for byte
     p.sms = 0;
+    p.half_warp_rows = prep_half;
     CK(jds::run_rms_norm_rope(p, 0));
     CK(cudaDeviceSynchronize());
     std::vector<uint8_t> y(out_bytes), y_ring(out_bytes), e(p.exps ? size_t(c.rows) * (c.dim / c.block) : 0), e_ring(e.size());
@@ -514,6 +519,7 @@ static int bench_prep(int sms, const char* only) {
       p.exps = c.block ? poisoned<uint8_t>(n / c.block) : nullptr;
       p.rows = rows, p.dim = D, p.rope_dim = R, p.weight_groups = 1, p.freq_rows = c.positions;
       p.fp8_block = c.block, p.eps = 1e-6f, p.dtype = jds::PrepDType::kBF16, p.sms = sms;
+      p.half_warp_rows = prep_half;
     }
     for (int i = 0; i < 3; ++i) CK(jds::run_rms_norm_rope(sets[i % kSets], 0));
     const double us = event_us(iters, [&](int i) { CK(jds::run_rms_norm_rope(sets[i % kSets], 0)); });
@@ -546,6 +552,8 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_lockstep;
     } else if (std::strcmp(argv[i], "--wgmma-ws") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
+    } else if (std::strcmp(argv[i], "--prep-half") == 0) {
+      prep_half = 1;
     } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {
       run_attn = probe_gather1;
     } else if (std::strcmp(argv[i], "--probe-gather2") == 0) {
@@ -561,6 +569,7 @@ int main(int argc, char** argv) {
     }
   }
   const bool probe = run_attn == probe_gather1 || run_attn == probe_gather2 || run_attn == probe_math || run_attn == probe_half;
+  if (prep_half) std::printf("prep: rows of <= 1 KB half a warp each where the layout allows\n");
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
