@@ -14,6 +14,9 @@
 #   ws-fp8          the warp-specialised kernel's FP8 producers (first run 2026-12-05): kernel_driver
 #                   --wgmma-ws edge cases under timeout, memcheck, racecheck, then bench fp8
 #                   with --wgmma-lockstep and --wgmma-ws alternating
+#   prep-half       the half-warp-per-row prep layout (written 2026-12-05, not yet run):
+#                   kernel_driver --prep-half edge cases, memcheck, then bench-prep with and
+#                   without --prep-half alternating
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
@@ -64,6 +67,14 @@ for step in "$@"; do
       run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-ws
       for schedule in --wgmma-lockstep --wgmma-ws --wgmma-lockstep --wgmma-ws; do
         run 150 "$DRIVER" "$schedule" bench fp8
+      done ;;
+    prep-half)
+      run 60 "$DRIVER" --prep-half
+      [ "$last" -ne 0 ] && echo "== prep-half: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --prep-half
+      for i in 1 2; do
+        run 60 "$DRIVER" bench-prep
+        run 60 "$DRIVER" --prep-half bench-prep
       done ;;
     probes)
       for mode in --wgmma-lockstep --probe-gather1 --probe-gather2 --probe-math --wgmma-lockstep; do
