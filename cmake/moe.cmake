@@ -41,3 +41,16 @@ target_compile_definitions(jax_dspark_objs PRIVATE JAX_DSPARK_WITH_MOE=1)
 if(TARGET _C)
   target_compile_definitions(_C PRIVATE JAX_DSPARK_WITH_MOE=1)
 endif()
+
+# Standalone driver of the grouped FP8 GEMM (not installed): CUTLASS configurations timed
+# side by side on the same inputs (csrc/tools/moe_driver.cu). JAX_DSPARK_MOE_PROBES adds the
+# alternative configurations to its own compile of grouped_gemm_fp8.cu only.
+if(JAX_DSPARK_BUILD_DRIVER)
+  add_executable(moe_driver csrc/tools/moe_driver.cu csrc/moe/grouped_gemm_fp8.cu)
+  set_target_properties(moe_driver PROPERTIES CUDA_STANDARD 17)
+  target_include_directories(moe_driver PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/csrc"
+    "${JAX_DSPARK_CUTLASS_DIR}/include" "${JAX_DSPARK_CUTLASS_DIR}/tools/util/include")
+  target_compile_options(moe_driver PRIVATE ${_jds_gencode} -O3 --expt-relaxed-constexpr)
+  target_compile_definitions(moe_driver PRIVATE JAX_DSPARK_MOE_PROBES NDEBUG)
+  target_link_libraries(moe_driver PRIVATE CUDA::cudart_static)
+endif()

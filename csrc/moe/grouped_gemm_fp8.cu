@@ -19,6 +19,7 @@
 // Tile heights as in the BF16 path: 64-row ping-pong tiles for decode-sized groups, 128-row
 // cooperative tiles for prefill-sized ones; K tiles are 128 deep (one scale block).
 #include <algorithm>
+#include <tuple>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
@@ -85,7 +86,9 @@ struct LargeM {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <class Config>
+// kAlongN: the persistent group scheduler walks a group's tiles along N first (diagnostic
+// builds only; the release configs keep CUTLASS's default, along M).
+template <class Config, bool kAlongN = false>
 struct Grouped {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
@@ -127,6 +130,10 @@ struct Grouped {
     args.epilogue.ptr_D = g.ptr_d;
     args.epilogue.dD = g.sd;
     args.hw_info = hw;
+    if constexpr (kAlongN) {
+      using Raster = decltype(args.scheduler.raster_order);
+      args.scheduler.raster_order = Raster::AlongN;
+    }
     return args;
   }
 
@@ -210,6 +217,26 @@ __global__ void setup_groups(const int32_t* __restrict__ offsets, int experts, i
   g.lsfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, 1));
 }
 
+// The workspace base rounded up to kAlignBytes (the layouts' totals include that slack).
+char* aligned_base(void* workspace) {
+  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(workspace) + kAlignBytes - 1) / kAlignBytes *
+                                 kAlignBytes);
+}
+
+// Launches setup_groups: each expert's shape, operand pointers, strides and scale layouts
+// into the workspace arrays the grouped kernel reads.
+cudaError_t fill_groups(const void* a, const float* sfa, const void* b, const float* sfb, void* d,
+                        const int32_t* offsets, int experts, int n, int k, char* base, const WorkspaceLayout& l,
+                        cudaStream_t stream) {
+  const StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(1, k, 1));
+  const StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
+  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(1, n, 1));
+  setup_groups<<<(experts + 127) / 128, 128, 0, stream>>>(
+      offsets, experts, n, k, static_cast<const ElementAB*>(a), sfa, static_cast<const ElementAB*>(b), sfb,
+      static_cast<ElementD*>(d), arrays_at(base, l), stride_a, stride_b, stride_d);
+  return cudaGetLastError();
+}
+
 template <class G>
 cudaError_t launch(int experts, int sm_count, char* base, const WorkspaceLayout& l, cudaStream_t stream) {
   auto args = G::arguments(experts, sm_count, arrays_at(base, l));
@@ -237,21 +264,110 @@ cudaError_t run_moe_grouped_gemm_fp8(const void* a, const float* sfa, const void
   if (n % kMoeFp8Block || k % kMoeFp8Block || experts < 1) return cudaErrorInvalidValue;
   const WorkspaceLayout l = layout_for(experts, sm_count);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
-  char* base = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(workspace) + kAlignBytes - 1) / kAlignBytes * kAlignBytes);
-
-  const StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(1, k, 1));
-  const StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
-  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(1, n, 1));
-  setup_groups<<<(experts + 127) / 128, 128, 0, stream>>>(
-      offsets, experts, n, k, static_cast<const ElementAB*>(a), sfa, static_cast<const ElementAB*>(b), sfb,
-      static_cast<ElementD*>(d), arrays_at(base, l), stride_a, stride_b, stride_d);
-  const cudaError_t err = cudaGetLastError();
+  char* base = aligned_base(workspace);
+  const cudaError_t err = fill_groups(a, sfa, b, sfb, d, offsets, experts, n, k, base, l, stream);
   if (err != cudaSuccess) return err;
   // Same tile choice as the BF16 path (grouped_gemm.cu): the 128-row tile once the average
   // expert has more than half a 64-row tile.
   if (rows_hint > int64_t(experts) * 32) return launch<Large>(experts, sm_count, base, l, stream);
   return launch<Small>(experts, sm_count, base, l, stream);
 }
+
+#ifdef JAX_DSPARK_MOE_PROBES
+// Diagnostic builds only (csrc/tools/moe_driver.cu): the release configs beside alternatives,
+// one launch each, so a sweep can time them on the same inputs. Never in the library.
+namespace {
+struct LargeMCluster1 {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Schedule = LargeM::Schedule;
+  using EpilogueSchedule = LargeM::EpilogueSchedule;
+};
+struct LargeMClusterM2 {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Schedule = LargeM::Schedule;
+  using EpilogueSchedule = LargeM::EpilogueSchedule;
+};
+struct SmallMCluster1 {
+  using Tile = Shape<_64, _128, _128>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Schedule = SmallM::Schedule;
+  using EpilogueSchedule = SmallM::EpilogueSchedule;
+};
+struct SmallMClusterN4 {
+  using Tile = Shape<_64, _128, _128>;
+  using Cluster = Shape<_1, _4, _1>;
+  using Schedule = SmallM::Schedule;
+  using EpilogueSchedule = SmallM::EpilogueSchedule;
+};
+struct LargeMClusterN4 {
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _4, _1>;
+  using Schedule = LargeM::Schedule;
+  using EpilogueSchedule = LargeM::EpilogueSchedule;
+};
+using ProbeConfigs = std::tuple<Large, Small, Grouped<LargeMCluster1>, Grouped<SmallMCluster1>,
+                                Grouped<LargeMClusterM2>, Grouped<LargeM, true>, Grouped<SmallM, true>,
+                                Grouped<LargeMClusterN4>, Grouped<SmallMClusterN4>>;
+constexpr const char* kProbeNames[] = {
+    "128x128 coop cluster 1x2 (release, prefill)", "64x128 pingpong cluster 1x2 (release, decode)",
+    "128x128 coop cluster 1x1",                    "64x128 pingpong cluster 1x1",
+    "128x128 coop cluster 2x1",                    "128x128 coop cluster 1x2 along N",
+    "64x128 pingpong cluster 1x2 along N",         "128x128 coop cluster 1x4",
+    "64x128 pingpong cluster 1x4"};
+constexpr int kProbeCount = int(std::tuple_size_v<ProbeConfigs>);
+static_assert(sizeof(kProbeNames) / sizeof(kProbeNames[0]) == kProbeCount);
+
+template <int I = 0>
+size_t probe_gemm_workspace(int experts, int sm_count) {
+  if constexpr (I == kProbeCount) {
+    return 0;
+  } else {
+    using G = std::tuple_element_t<I, ProbeConfigs>;
+    return std::max(G::gemm_workspace(experts, sm_count), probe_gemm_workspace<I + 1>(experts, sm_count));
+  }
+}
+
+template <int I = 0>
+cudaError_t launch_probe(int config, int experts, int sm_count, char* base, const WorkspaceLayout& l,
+                         cudaStream_t stream) {
+  if constexpr (I == kProbeCount) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (config == I) return launch<std::tuple_element_t<I, ProbeConfigs>>(experts, sm_count, base, l, stream);
+    return launch_probe<I + 1>(config, experts, sm_count, base, l, stream);
+  }
+}
+
+WorkspaceLayout probe_layout_for(int experts, int sm_count) {
+  WorkspaceLayout l = layout_for(experts, sm_count);
+  l.total = l.gemm + round_up(probe_gemm_workspace(experts, sm_count)) + kAlignBytes;
+  return l;
+}
+}  // namespace
+
+int moe_grouped_gemm_fp8_probe_count() { return kProbeCount; }
+const char* moe_grouped_gemm_fp8_probe_name(int config) {
+  return config >= 0 && config < kProbeCount ? kProbeNames[config] : "";
+}
+size_t moe_grouped_gemm_fp8_probe_workspace_bytes(int experts, int sm_count) {
+  return probe_layout_for(experts, sm_count).total;
+}
+
+cudaError_t run_moe_grouped_gemm_fp8_probe(int config, const void* a, const float* sfa, const void* b,
+                                           const float* sfb, void* d, const int32_t* offsets, int experts, int n,
+                                           int k, int sm_count, void* workspace, size_t workspace_bytes,
+                                           cudaStream_t stream) {
+  if (n % kMoeFp8Block || k % kMoeFp8Block || experts < 1 || config < 0 || config >= kProbeCount)
+    return cudaErrorInvalidValue;
+  const WorkspaceLayout l = probe_layout_for(experts, sm_count);
+  if (workspace_bytes < l.total) return cudaErrorInvalidValue;
+  char* base = aligned_base(workspace);
+  const cudaError_t err = fill_groups(a, sfa, b, sfb, d, offsets, experts, n, k, base, l, stream);
+  if (err != cudaSuccess) return err;
+  return launch_probe(config, experts, sm_count, base, l, stream);
+}
+#endif  // JAX_DSPARK_MOE_PROBES
 
 }  // namespace jds

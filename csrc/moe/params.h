@@ -134,4 +134,17 @@ cudaError_t run_moe_grouped_gemm_fp8(const void* a, const float* sfa, const void
                                      int64_t rows_hint, int sm_count, void* workspace,
                                      size_t workspace_bytes, cudaStream_t stream);
 
+#ifdef JAX_DSPARK_MOE_PROBES
+// Diagnostic builds only (csrc/tools/moe_driver.cu): the grouped FP8 GEMM under alternative
+// CUTLASS configurations (tile, cluster, raster order), config 0 and 1 being the release
+// prefill and decode ones. Same operands and layouts as run_moe_grouped_gemm_fp8.
+int moe_grouped_gemm_fp8_probe_count();
+const char* moe_grouped_gemm_fp8_probe_name(int config);
+size_t moe_grouped_gemm_fp8_probe_workspace_bytes(int experts, int sm_count);
+cudaError_t run_moe_grouped_gemm_fp8_probe(int config, const void* a, const float* sfa, const void* b,
+                                           const float* sfb, void* d, const int32_t* offsets, int experts, int n,
+                                           int k, int sm_count, void* workspace, size_t workspace_bytes,
+                                           cudaStream_t stream);
+#endif
+
 }  // namespace jds
