@@ -46,7 +46,7 @@ endif()
 # side by side on the same inputs (csrc/tools/moe_driver.cu). JAX_DSPARK_MOE_PROBES adds the
 # alternative configurations to its own compile of grouped_gemm_fp8.cu only.
 if(JAX_DSPARK_BUILD_DRIVER)
-  add_executable(moe_driver csrc/tools/moe_driver.cu csrc/moe/grouped_gemm_fp8.cu)
+  add_executable(moe_driver csrc/tools/moe_driver.cu csrc/moe/grouped_gemm.cu csrc/moe/grouped_gemm_fp8.cu)
   set_target_properties(moe_driver PROPERTIES CUDA_STANDARD 17)
   target_include_directories(moe_driver PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}/csrc"
     "${JAX_DSPARK_CUTLASS_DIR}/include" "${JAX_DSPARK_CUTLASS_DIR}/tools/util/include")

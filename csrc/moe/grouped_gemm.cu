@@ -30,6 +30,9 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "moe/params.h"
+#ifdef JAX_DSPARK_MOE_PROBES
+#include "moe/grouped_probes.cuh"
+#endif
 
 namespace jds {
 namespace {
@@ -60,7 +63,9 @@ struct LargeM {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <class Config>
+// kAlongN: the persistent group scheduler walks a group's tiles along N first (diagnostic
+// builds only; the release configs keep CUTLASS's default, along M).
+template <class Config, bool kAlongN = false>
 struct Grouped {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
@@ -101,6 +106,10 @@ struct Grouped {
     args.epilogue.ptr_D = ptr_d;
     args.epilogue.dD = sd;
     args.hw_info = hw;
+    if constexpr (kAlongN) {
+      using Raster = decltype(args.scheduler.raster_order);
+      args.scheduler.raster_order = Raster::AlongN;
+    }
     return args;
   }
 
@@ -162,6 +171,30 @@ __global__ void setup_groups(const int32_t* __restrict__ offsets, int experts, i
   sd[e] = stride_d;
 }
 
+// The workspace base rounded up to kAlignBytes (the layouts' totals include that slack).
+char* aligned_base(void* workspace) {
+  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(workspace) + kAlignBytes - 1) / kAlignBytes *
+                                 kAlignBytes);
+}
+
+// Launches setup_groups: each expert's shape, operand pointers and strides into the
+// workspace arrays the grouped kernel reads. Row-major strides do not depend on the group's
+// row count, so one value serves all groups.
+cudaError_t fill_groups(const void* a, const void* b, void* d, const int32_t* offsets, int experts, int n, int k,
+                        char* base, const Layout& l, cudaStream_t stream) {
+  const StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(1, k, 1));
+  const StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
+  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(1, n, 1));
+  setup_groups<<<(experts + 127) / 128, 128, 0, stream>>>(
+      offsets, experts, n, k, static_cast<const Element*>(a), static_cast<const Element*>(b),
+      static_cast<Element*>(d), reinterpret_cast<Shape3*>(base + l.shapes),
+      reinterpret_cast<const Element**>(base + l.ptr_a), reinterpret_cast<const Element**>(base + l.ptr_b),
+      reinterpret_cast<Element**>(base + l.ptr_d), reinterpret_cast<StrideA*>(base + l.stride_a),
+      reinterpret_cast<StrideB*>(base + l.stride_b), reinterpret_cast<StrideD*>(base + l.stride_d),
+      stride_a, stride_b, stride_d);
+  return cudaGetLastError();
+}
+
 template <class G>
 cudaError_t launch(int experts, int sm_count, char* base, const Layout& l, cudaStream_t stream) {
   auto args = G::arguments(experts, sm_count, reinterpret_cast<Shape3*>(base + l.shapes),
@@ -193,21 +226,8 @@ cudaError_t run_moe_grouped_gemm(const void* a, const void* b, void* d, const in
                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const Layout l = layout_for(experts, sm_count);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
-  char* base = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(workspace) + kAlignBytes - 1) / kAlignBytes * kAlignBytes);
-
-  // Row-major strides do not depend on the group's row count, so one value serves all groups.
-  const StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, make_shape(1, k, 1));
-  const StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
-  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(1, n, 1));
-  setup_groups<<<(experts + 127) / 128, 128, 0, stream>>>(
-      offsets, experts, n, k, static_cast<const Element*>(a), static_cast<const Element*>(b),
-      static_cast<Element*>(d), reinterpret_cast<Shape3*>(base + l.shapes),
-      reinterpret_cast<const Element**>(base + l.ptr_a), reinterpret_cast<const Element**>(base + l.ptr_b),
-      reinterpret_cast<Element**>(base + l.ptr_d), reinterpret_cast<StrideA*>(base + l.stride_a),
-      reinterpret_cast<StrideB*>(base + l.stride_b), reinterpret_cast<StrideD*>(base + l.stride_d),
-      stride_a, stride_b, stride_d);
-  const cudaError_t err = cudaGetLastError();
+  char* base = aligned_base(workspace);
+  const cudaError_t err = fill_groups(a, b, d, offsets, experts, n, k, base, l, stream);
   if (err != cudaSuccess) return err;
   // The host never sees per-expert counts (graph capture), only the total: an expert's weights
   // are read once per M tile, so once the average expert has more than half a small tile of
@@ -215,5 +235,58 @@ cudaError_t run_moe_grouped_gemm(const void* a, const void* b, void* d, const in
   if (rows_hint > int64_t(experts) * 32) return launch<Large>(experts, sm_count, base, l, stream);
   return launch<Small>(experts, sm_count, base, l, stream);
 }
+
+#ifdef JAX_DSPARK_MOE_PROBES
+// Diagnostic builds only (csrc/tools/moe_driver.cu): the release configs beside alternatives,
+// one launch each, so a sweep can time them on the same inputs. Never in the library.
+namespace {
+template <int M, int N, int CM, int CN, class From>
+struct Variant {
+  using Tile = Shape<Int<M>, Int<N>, _64>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
+  using Schedule = typename From::Schedule;
+  using EpilogueSchedule = typename From::EpilogueSchedule;
+};
+using ProbeConfigs =
+    std::tuple<Large, Small, Grouped<Variant<128, 256, 1, 2, LargeM>>, Grouped<Variant<128, 128, 1, 1, LargeM>>,
+               Grouped<Variant<128, 256, 1, 1, LargeM>>, Grouped<Variant<64, 256, 1, 2, SmallM>>,
+               Grouped<LargeM, true>, Grouped<Variant<128, 128, 1, 4, LargeM>>>;
+constexpr const char* kProbeNames[] = {
+    "128x128x64 coop cluster 1x2 (release, prefill)", "64x128x64 pingpong cluster 1x2 (release, decode)",
+    "128x256x64 coop cluster 1x2",                    "128x128x64 coop cluster 1x1",
+    "128x256x64 coop cluster 1x1",                    "64x256x64 pingpong cluster 1x2",
+    "128x128x64 coop cluster 1x2 along N",            "128x128x64 coop cluster 1x4"};
+constexpr int kProbeCount = int(std::tuple_size_v<ProbeConfigs>);
+static_assert(sizeof(kProbeNames) / sizeof(kProbeNames[0]) == kProbeCount);
+
+Layout probe_layout_for(int experts, int sm_count) {
+  Layout l = layout_for(experts, sm_count);
+  l.total = l.gemm + round_up(probes::max_gemm_workspace<ProbeConfigs>(experts, sm_count)) + kAlignBytes;
+  return l;
+}
+}  // namespace
+
+int moe_grouped_gemm_probe_count() { return kProbeCount; }
+const char* moe_grouped_gemm_probe_name(int config) {
+  return config >= 0 && config < kProbeCount ? kProbeNames[config] : "";
+}
+size_t moe_grouped_gemm_probe_workspace_bytes(int experts, int sm_count) {
+  return probe_layout_for(experts, sm_count).total;
+}
+
+cudaError_t run_moe_grouped_gemm_probe(int config, const void* a, const void* b, void* d, const int32_t* offsets,
+                                       int experts, int n, int k, int sm_count, void* workspace,
+                                       size_t workspace_bytes, cudaStream_t stream) {
+  if (experts < 1 || config < 0 || config >= kProbeCount) return cudaErrorInvalidValue;
+  const Layout l = probe_layout_for(experts, sm_count);
+  if (workspace_bytes < l.total) return cudaErrorInvalidValue;
+  char* base = aligned_base(workspace);
+  const cudaError_t err = fill_groups(a, b, d, offsets, experts, n, k, base, l, stream);
+  if (err != cudaSuccess) return err;
+  return probes::launch_config<ProbeConfigs>(config, [&](auto tag) {
+    return launch<typename decltype(tag)::type>(experts, sm_count, base, l, stream);
+  });
+}
+#endif  // JAX_DSPARK_MOE_PROBES
 
 }  // namespace jds

@@ -19,7 +19,6 @@
 // Tile heights as in the BF16 path: 64-row ping-pong tiles for decode-sized groups, 128-row
 // cooperative tiles for prefill-sized ones; K tiles are 128 deep (one scale block).
 #include <algorithm>
-#include <tuple>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
@@ -34,6 +33,9 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "moe/params.h"
+#ifdef JAX_DSPARK_MOE_PROBES
+#include "moe/grouped_probes.cuh"
+#endif
 
 namespace jds {
 namespace {
@@ -319,30 +321,9 @@ constexpr const char* kProbeNames[] = {
 constexpr int kProbeCount = int(std::tuple_size_v<ProbeConfigs>);
 static_assert(sizeof(kProbeNames) / sizeof(kProbeNames[0]) == kProbeCount);
 
-template <int I = 0>
-size_t probe_gemm_workspace(int experts, int sm_count) {
-  if constexpr (I == kProbeCount) {
-    return 0;
-  } else {
-    using G = std::tuple_element_t<I, ProbeConfigs>;
-    return std::max(G::gemm_workspace(experts, sm_count), probe_gemm_workspace<I + 1>(experts, sm_count));
-  }
-}
-
-template <int I = 0>
-cudaError_t launch_probe(int config, int experts, int sm_count, char* base, const WorkspaceLayout& l,
-                         cudaStream_t stream) {
-  if constexpr (I == kProbeCount) {
-    return cudaErrorInvalidValue;
-  } else {
-    if (config == I) return launch<std::tuple_element_t<I, ProbeConfigs>>(experts, sm_count, base, l, stream);
-    return launch_probe<I + 1>(config, experts, sm_count, base, l, stream);
-  }
-}
-
 WorkspaceLayout probe_layout_for(int experts, int sm_count) {
   WorkspaceLayout l = layout_for(experts, sm_count);
-  l.total = l.gemm + round_up(probe_gemm_workspace(experts, sm_count)) + kAlignBytes;
+  l.total = l.gemm + round_up(probes::max_gemm_workspace<ProbeConfigs>(experts, sm_count)) + kAlignBytes;
   return l;
 }
 }  // namespace
@@ -366,7 +347,9 @@ cudaError_t run_moe_grouped_gemm_fp8_probe(int config, const void* a, const floa
   char* base = aligned_base(workspace);
   const cudaError_t err = fill_groups(a, sfa, b, sfb, d, offsets, experts, n, k, base, l, stream);
   if (err != cudaSuccess) return err;
-  return launch_probe(config, experts, sm_count, base, l, stream);
+  return probes::launch_config<ProbeConfigs>(config, [&](auto tag) {
+    return launch<typename decltype(tag)::type>(experts, sm_count, base, l, stream);
+  });
 }
 #endif  // JAX_DSPARK_MOE_PROBES
 

@@ -135,7 +135,7 @@ cudaError_t run_moe_grouped_gemm_fp8(const void* a, const float* sfa, const void
                                      size_t workspace_bytes, cudaStream_t stream);
 
 #ifdef JAX_DSPARK_MOE_PROBES
-// Diagnostic builds only (csrc/tools/moe_driver.cu): the grouped FP8 GEMM under alternative
+// Diagnostic builds only (csrc/tools/moe_driver.cu): the grouped GEMMs under alternative
 // CUTLASS configurations (tile, cluster, raster order), config 0 and 1 being the release
 // prefill and decode ones. Same operands and layouts as run_moe_grouped_gemm_fp8.
 int moe_grouped_gemm_fp8_probe_count();
@@ -145,6 +145,13 @@ cudaError_t run_moe_grouped_gemm_fp8_probe(int config, const void* a, const floa
                                            const float* sfb, void* d, const int32_t* offsets, int experts, int n,
                                            int k, int sm_count, void* workspace, size_t workspace_bytes,
                                            cudaStream_t stream);
+// The same for the BF16 grouped GEMM (run_moe_grouped_gemm's operands and layouts).
+int moe_grouped_gemm_probe_count();
+const char* moe_grouped_gemm_probe_name(int config);
+size_t moe_grouped_gemm_probe_workspace_bytes(int experts, int sm_count);
+cudaError_t run_moe_grouped_gemm_probe(int config, const void* a, const void* b, void* d, const int32_t* offsets,
+                                       int experts, int n, int k, int sm_count, void* workspace,
+                                       size_t workspace_bytes, cudaStream_t stream);
 #endif
 
 }  // namespace jds
