@@ -24,9 +24,11 @@
 #                   flight) beside the lockstep kernel, on $HALF_SHAPES ("B S H K;..." bf16)
 #   ws-sweep        bench-shape over K at H 128 (B 16, S 1), both schedules: where the
 #                   warp-specialised schedule starts to win (use_warp_specialised's threshold)
+#   moe-configs     moe_driver: the grouped GEMMs (FP8 and BF16) under each CUTLASS configuration
+#                   of grouped_probes, checked against a host reference and timed beside a copy
 #   bench-prep | bench-attention | bench-moe   jax-dspark bench <what> --out $OUT
 #   bench-prep-cb | bench-attention-cb         the same with --command-buffers
-# Environment: BUILD (default .dev/build: libjax_dspark_ffi.so, kernel_driver), COMMIT (the
+# Environment: BUILD (default .dev/build: libjax_dspark_ffi.so, kernel_driver, moe_driver), COMMIT (the
 # commit the build is of, recorded in the benchmark JSON), OUT (where logs and JSON go).
 set -uo pipefail
 BUILD=${BUILD:-.dev/build}
@@ -94,6 +96,7 @@ for step in "$@"; do
           run 60 "$DRIVER" "$schedule" bench-shape 16 1 128 "$k"
         done
       done ;;
+    moe-configs) run 200 "$BUILD/moe_driver" ;;
     prep-tests) run 240 env JAX_DSPARK_TEST_GPU=1 python3 -m pytest -m gpu tests/test_kernels_prep.py -q ;;
     gpu-tests) run 580 env JAX_DSPARK_TEST_GPU=1 python3 -m pytest -m gpu tests -q -o faulthandler_timeout=120 ;;
     bench-prep | bench-attention | bench-moe)

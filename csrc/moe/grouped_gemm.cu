@@ -241,12 +241,7 @@ cudaError_t run_moe_grouped_gemm(const void* a, const void* b, void* d, const in
 // one launch each, so a sweep can time them on the same inputs. Never in the library.
 namespace {
 template <int M, int N, int CM, int CN, class From>
-struct Variant {
-  using Tile = Shape<Int<M>, Int<N>, _64>;
-  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
-  using Schedule = typename From::Schedule;
-  using EpilogueSchedule = typename From::EpilogueSchedule;
-};
+using Variant = probes::Variant<M, N, 64, CM, CN, From>;
 using ProbeConfigs =
     std::tuple<Large, Small, Grouped<Variant<128, 256, 1, 2, LargeM>>, Grouped<Variant<128, 128, 1, 1, LargeM>>,
                Grouped<Variant<128, 256, 1, 1, LargeM>>, Grouped<Variant<64, 256, 1, 2, SmallM>>,

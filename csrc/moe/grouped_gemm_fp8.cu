@@ -279,39 +279,12 @@ cudaError_t run_moe_grouped_gemm_fp8(const void* a, const float* sfa, const void
 // Diagnostic builds only (csrc/tools/moe_driver.cu): the release configs beside alternatives,
 // one launch each, so a sweep can time them on the same inputs. Never in the library.
 namespace {
-struct LargeMCluster1 {
-  using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Schedule = LargeM::Schedule;
-  using EpilogueSchedule = LargeM::EpilogueSchedule;
-};
-struct LargeMClusterM2 {
-  using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Schedule = LargeM::Schedule;
-  using EpilogueSchedule = LargeM::EpilogueSchedule;
-};
-struct SmallMCluster1 {
-  using Tile = Shape<_64, _128, _128>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Schedule = SmallM::Schedule;
-  using EpilogueSchedule = SmallM::EpilogueSchedule;
-};
-struct SmallMClusterN4 {
-  using Tile = Shape<_64, _128, _128>;
-  using Cluster = Shape<_1, _4, _1>;
-  using Schedule = SmallM::Schedule;
-  using EpilogueSchedule = SmallM::EpilogueSchedule;
-};
-struct LargeMClusterN4 {
-  using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<_1, _4, _1>;
-  using Schedule = LargeM::Schedule;
-  using EpilogueSchedule = LargeM::EpilogueSchedule;
-};
-using ProbeConfigs = std::tuple<Large, Small, Grouped<LargeMCluster1>, Grouped<SmallMCluster1>,
-                                Grouped<LargeMClusterM2>, Grouped<LargeM, true>, Grouped<SmallM, true>,
-                                Grouped<LargeMClusterN4>, Grouped<SmallMClusterN4>>;
+template <int M, int N, int CM, int CN, class From>
+using Variant = probes::Variant<M, N, kMoeFp8Block, CM, CN, From>;
+using ProbeConfigs =
+    std::tuple<Large, Small, Grouped<Variant<128, 128, 1, 1, LargeM>>, Grouped<Variant<64, 128, 1, 1, SmallM>>,
+               Grouped<Variant<128, 128, 2, 1, LargeM>>, Grouped<LargeM, true>, Grouped<SmallM, true>,
+               Grouped<Variant<128, 128, 1, 4, LargeM>>, Grouped<Variant<64, 128, 1, 4, SmallM>>>;
 constexpr const char* kProbeNames[] = {
     "128x128 coop cluster 1x2 (release, prefill)", "64x128 pingpong cluster 1x2 (release, decode)",
     "128x128 coop cluster 1x1",                    "64x128 pingpong cluster 1x1",

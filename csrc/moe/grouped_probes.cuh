@@ -8,8 +8,19 @@
 #include <tuple>
 
 #include <cuda_runtime_api.h>
+#include <cute/tensor.hpp>
 
 namespace jds::probes {
+
+// A configuration like `From` (its mainloop and epilogue schedules) with an M x N x K tile
+// and a CM x CN cluster.
+template <int M, int N, int K, int CM, int CN, class From>
+struct Variant {
+  using Tile = cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>;
+  using Cluster = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
+  using Schedule = typename From::Schedule;
+  using EpilogueSchedule = typename From::EpilogueSchedule;
+};
 
 template <class T>
 struct Tag {

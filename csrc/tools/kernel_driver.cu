@@ -29,15 +29,7 @@
 
 #include "attention/params.h"
 #include "prep/params.h"
-
-#define CK(x)                                                                                       \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);          \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
+#include "tools/check.h"
 
 using bf16 = __nv_bfloat16;
 
