@@ -66,6 +66,7 @@ ffi::Error bind_common(float eps, int32_t inverse, int32_t rope_dim, ffi::AnyBuf
   p.inverse = inverse != 0;
   p.eps = eps;
   p.sms = sm_count_of_current_device();
+  p.half_warp_rows = 1;  // half a warp per row where the layout allows (docs/kernels.md, "Prep kernel")
   return ffi::Error::Success();
 }
 

@@ -26,8 +26,8 @@ struct RmsNormRopeParams {
   float eps;
   PrepDType dtype;
   int sms;             // multiprocessors of the device (sizes the persistent grid; 0 = one block per 8 rows)
-  int half_warp_rows;  // 1: rows of <= 1 KB go half a warp each where the layout allows (not yet
-                       // run on a GPU: kernel_driver --prep-half only; the FFI handlers leave it 0)
+  int half_warp_rows;  // 1: rows of <= 1 KB go half a warp each where the layout allows (the FFI
+                       // handlers set it; kernel_driver without --prep-half leaves it 0)
   int64_t rows_per_weight_group;  // set by run_rms_norm_rope: rows / weight_groups
   int64_t rows_per_freq_row;      // set by run_rms_norm_rope: rows / freq_rows
   // set at the stream kernel's launch, for its row stride (8 x grid): stride / and % per group

@@ -390,8 +390,8 @@ cudaError_t launch_block(RmsNormRopeParams p, cudaStream_t stream) {
   const int chunks = (p.dim + kChunk - 1) / kChunk;
   const int64_t groups = (p.rows + 7) / 8;
   if (int64_t(p.dim) * sizeof(T) <= kStreamRowBytes) {
-    // Half a warp per row when asked (`half_warp_rows`: kernel_driver --prep-half only, until
-    // it has run on a GPU) and the RoPE span lies in the row's last 128-element chunk (every
+    // Half a warp per row when asked (`half_warp_rows`: the FFI handlers ask; faster in every
+    // bench-prep case, docs/kernels.md) and the RoPE span lies in the row's last 128-element chunk (every
     // V4 / DSpark q and kv row: D 512, R 64), else a warp per row.
     const int last_half_chunk = (p.dim - 1) / 128;
     const bool half = p.half_warp_rows && (p.rope_dim == 0 || p.dim - p.rope_dim >= last_half_chunk * 128);
