@@ -175,6 +175,27 @@ def test_long_lists_over_two_head_blocks_take_the_warp_specialised_schedule_and_
     check(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
 
 
+def _work_items(b, s, h, k_total):
+    splits = _kernels.choose_splits(b, s, h, k_total, _ffi.num_sms())
+    return -(-h // _kernels.HEADS_PER_CTA) * s * b * splits
+
+
+@pytest.mark.parametrize(
+    "b, s, h, k, k2",
+    [(40, 4, 64, 150, 20), (140, 1, 64, 190, 10), (30, 3, 96, 10, 3)],
+    ids=["short-lists", "split-k", "partial-head-block-one-short-tile"],
+)
+def test_more_work_items_than_sms_match(b, s, h, k, k2):
+    # More (request, row, head block, split) items than SMs on short lists: several waves of
+    # CTAs (the DSpark blocks' regime), with split-K partials, a half-empty second head
+    # block, masked rows, both pools, sink and inverse RoPE.
+    assert _work_items(b, s, h, k + k2) > _ffi.num_sms(), "the shape no longer has more work items than SMs"
+    args, rng = make_case(60 + b, b=b, s=s, h=h, k=k, n=400, k2=k2, n2=50, drop=0.25)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((b, s, 32, 2)), jnp.float32)
+    check(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
+
+
 def test_heads_not_a_multiple_of_64():
     args, _ = make_case(9, b=2, s=1, h=96, k=70)
     check(args, scale=0.04)
@@ -411,3 +432,11 @@ def test_fp8_pools_reach_the_mma_kernel_only_when_asked(monkeypatch):
     bf16 = dict(args, main_rows=kv_fp8.dequantize_kv_rows(args["main_rows"]))
     monkeypatch.delenv("JAX_DSPARK_FP8_ATTENTION")
     assert "jax_dspark_sparse_sink_attention" in jax.jit(lambda a: ops.sparse_sink_attention(**a, scale=0.1)).lower(bf16).as_text()
+
+
+def test_fp8_more_work_items_than_sms_match():
+    b, s, h, k, k2 = 40, 4, 64, 150, 20
+    assert _work_items(b, s, h, k + k2) > _ffi.num_sms(), "the shape no longer has more work items than SMs"
+    args, rng = fp8_case(27, extra_fp8=True, b=b, s=s, h=h, k=k, n=400, k2=k2, n2=50, drop=0.25)
+    rope = jnp.asarray(rng.standard_normal((b, s, 32, 2)), jnp.float32)
+    check_fp8(args, sink=jnp.asarray(rng.standard_normal(h), jnp.float32), scale=512**-0.5, inverse_rope=rope)

@@ -338,6 +338,12 @@ static int memcheck(int sms) {
       {"fp8 both, bad indices", 2, 2, 64, 200, 30, 90, 20, 0.1f, true, true, true, true, true},
       {"fp8 all masked", 1, 2, 64, 130, 0, 10, 0, 1.0f, true, false, false, true, false},
       {"fp8 one row", 1, 1, 64, 1, 0, 1, 0, 0.0f, false, false, false, true, false},
+      // more work items than SMs: several waves of CTAs, split-K and a partial head block
+      {"many items, bad indices", 40, 4, 64, 150, 20, 300, 40, 0.2f, true, true, true},
+      {"many items, split-K", 140, 1, 64, 190, 10, 400, 30, 0.1f, true, false, false},
+      {"many items, H=96, short lists", 30, 3, 96, 10, 3, 50, 8, 0.3f, false, true, false},
+      {"many items, empty lists", 150, 1, 64, 0, 0, 0, 0, 0.0f, true, false, false},
+      {"fp8 both, many items", 40, 4, 64, 150, 20, 300, 40, 0.2f, true, true, true, true, true},
   };
   int failures = 0;
   for (const auto& c : cases) {
