@@ -382,12 +382,15 @@ __device__ __forceinline__ void consume_stage(float (&o)[32][4], float (&m_run)[
     consume_tile<false>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid);
 }
 
-// Epilogue of the consumer warpgroups: quad sums plus the other half's (through the swap
-// area); both warpgroups hold whole rows, warpgroup 0 stores the lse.
+// A thread's two rows at the end: lse (natural log, sink excluded) and 1 / row sum, from
+// the quad sums plus the other half's (through the swap area).
+struct RowStats {
+  float lse[2], inv[2];
+};
+
 template <int kOffSwap = kOffXRow>
-__device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
-                                            const float (&m_run)[2], const float (&l_run)[2], int64_t bs, int h0,
-                                            int split, int tid) {
+__device__ __forceinline__ RowStats row_stats(uint8_t* smem, const float (&m_run)[2], const float (&l_run)[2],
+                                              int tid) {
   const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
   float lsum[2];
 #pragma unroll
@@ -406,15 +409,98 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
     lsum[0] += xrow[(1 - c) * BM + 16 * w + g];
     lsum[1] += xrow[(1 - c) * BM + 16 * w + g + 8];
   }
-  float lse[2], inv[2];
+  RowStats r;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float l = lsum[i];
-    lse[i] = (m_run[i] == -INFINITY || !(l > 0.f)) ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
-    inv[i] = l > 0.f ? 1.f / l : 0.f;
+    r.lse[i] = (m_run[i] == -INFINITY || !(l > 0.f)) ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
+    r.inv[i] = l > 0.f ? 1.f / l : 0.f;
   }
-  store_head_rows(p, o, lse, inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
+  return r;
 }
+
+// Epilogue of the consumer warpgroups: both warpgroups hold whole rows (their halves of D),
+// warpgroup 0 stores the lse.
+template <int kOffSwap = kOffXRow>
+__device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
+                                            const float (&m_run)[2], const float (&l_run)[2], int64_t bs, int h0,
+                                            int split, int tid) {
+  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const RowStats r = row_stats<kOffSwap>(smem, m_run, l_run, tid);
+  store_head_rows(p, o, r.lse, r.inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
+}
+
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+// Candidate epilogue (kernel_driver --wgmma-staged only, not yet run; docs/kernels.md, Next
+// steps 0): the output rows go through shared memory (Q's region and both tile stages, free
+// once every warp is past its last P V) and out in 16-byte stores, a warp writing 512
+// contiguous bytes of one row, instead of 64 four-byte stores a thread that each touch 8 rows
+// 1 KB apart (the DSpark blocks' ncu: LG throttle). Staged rows are padded (bf16 1040 bytes,
+// f32 2080) so the accumulator-layout writes hit 32 distinct banks.
+constexpr int kStageRowBf16 = D * 2 + 16;
+constexpr int kStageRowF32 = D * 4 + 32;
+static_assert(BM * kStageRowF32 <= kOffValid, "staged f32 rows fit Q's region and both tile stages");
+
+__device__ __forceinline__ void finish_rows_staged(const SparseSinkAttentionParams& p, uint8_t* smem,
+                                                   const float (&o)[32][4], const float (&m_run)[2],
+                                                   const float (&l_run)[2], int64_t bs, int h0, int split, int tid) {
+  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const RowStats r = row_stats(smem, m_run, l_run, tid);
+  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
+  const int dim_first = 256 * c + 2 * q4, rope_lo = D - p.rope_dim;
+  __syncthreads();  // every warp past its last S and P V: Q's region and the stages are free
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int lr = 16 * w + g + 8 * i, h = h0 + lr;
+    if (h >= p.heads) continue;
+    const int64_t row = bs * p.heads + h;
+    if (p.num_splits == 1) {
+      const float f = r.inv[i] * sink_factor(p.sink, h, r.lse[i]);
+      uint8_t* dst = smem + lr * kStageRowBf16;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        float x0 = o[n][2 * i] * f, x1 = o[n][2 * i + 1] * f;
+        if (p.inv_rope != nullptr && dim >= rope_lo) {
+          const float2 cs =
+              reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
+          inverse_rope_pair(x0, x1, cs);
+        }
+        *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(x0, x1);
+      }
+      if (c == 0 && q4 == 0) p.lse[row] = r.lse[i];
+    } else {
+      uint8_t* dst = smem + lr * kStageRowF32;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        *reinterpret_cast<float2*>(dst + dim * 4) = make_float2(o[n][2 * i] * r.inv[i], o[n][2 * i + 1] * r.inv[i]);
+      }
+      if (c == 0 && q4 == 0) p.partial_lse[int64_t(split) * rows + row] = r.lse[i];
+    }
+  }
+  __syncthreads();
+  if (p.num_splits == 1) {
+    constexpr int kRowChunks = D * 2 / 16;
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+    for (int k = tid; k < BM * kRowChunks; k += kThreads) {
+      const int lr = k / kRowChunks, ch = k % kRowChunks, h = h0 + lr;
+      if (h < p.heads)
+        *reinterpret_cast<uint4*>(out + (bs * p.heads + h) * int64_t(D * 2) + ch * 16) =
+            *reinterpret_cast<const uint4*>(smem + lr * kStageRowBf16 + ch * 16);
+    }
+  } else {
+    constexpr int kRowChunks = D * 4 / 16;
+    uint8_t* out = reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
+    for (int k = tid; k < BM * kRowChunks; k += kThreads) {
+      const int lr = k / kRowChunks, ch = k % kRowChunks, h = h0 + lr;
+      if (h < p.heads)
+        *reinterpret_cast<uint4*>(out + (bs * p.heads + h) * int64_t(D * 4) + ch * 16) =
+            *reinterpret_cast<const uint4*>(smem + lr * kStageRowF32 + ch * 16);
+    }
+  }
+}
+#endif
 
 // This thread's share of the Q block (heads h0 .. h0 + 63 of query row bs) into `dst` in the
 // tile layout, by cp.async (the caller commits); absent heads as zeros (their rows of O are
@@ -437,7 +523,7 @@ __device__ __forceinline__ void issue_q_block(const SparseSinkAttentionParams& p
 // kMathOnly (diagnostic builds only, JAX_DSPARK_ATTENTION_PROBES): tiles 0 and 1 are gathered
 // as usual, later tiles are not (their stages keep tiles 0 and 1), so the kernel times the
 // compute chain without the memory behind it. Results are meaningless then.
-template <bool kFp8, bool kMathOnly = false>
+template <bool kFp8, bool kMathOnly = false, bool kStagedStore = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
@@ -487,6 +573,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+  if constexpr (kStagedStore) {
+    finish_rows_staged(p, smem, o, m_run, l_run, bs, h0, split, tid);
+    return;
+  }
+#endif
   finish_rows(p, smem, o, m_run, l_run, bs, h0, split, tid);
 }
 
@@ -866,6 +958,16 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 #endif
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
+cudaError_t run_sparse_sink_attention_wgmma_staged(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  const bool fp8 = p.main_fp8 || p.extra_fp8;
+  const cudaError_t err =
+      fp8 ? launch_attention_grid<sparse_sink_attention_wgmma_kernel<true, false, true>>(p, kThreads, kSmemBytes, stream)
+          : launch_attention_grid<sparse_sink_attention_wgmma_kernel<false, false, true>>(p, kThreads, kSmemBytes, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return launch_sparse_sink_attention_combine(p, stream);
+}
+
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
                                                     cudaStream_t stream) {
   if (p.main_fp8 || p.extra_fp8) return cudaErrorInvalidValue;  // bf16 rows only
