@@ -71,6 +71,18 @@ __device__ __forceinline__ void rescale_rows(float (&o)[32][4], float (&l_run)[2
   }
 }
 
+// Output dims (dim, dim + 1) of query row bs, already normalised, as packed bf16: rotated
+// back by the query position when they are RoPE dims (from rope_lo = D - rope_dim on) and
+// the call asked for it.
+__device__ __forceinline__ uint32_t output_pair(const SparseSinkAttentionParams& p, float x0, float x1, int64_t bs,
+                                                int dim, int rope_lo) {
+  if (p.inv_rope != nullptr && dim >= rope_lo) {
+    const float2 cs = reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
+    inverse_rope_pair(x0, x1, cs);
+  }
+  return pack_bf16x2(x0, x1);
+}
+
 // Stores the rows of heads h_first and h_first + 8 of query row `bs` that this thread holds
 // in the m16n8 accumulator layout: o[n][2i], o[n][2i+1] are dims dim_first + 8n (+1) of
 // row i, unnormalised; inv = 1 / row sum, lse = log-sum-exp (natural log, sink excluded).
@@ -93,13 +105,8 @@ __device__ __forceinline__ void store_head_rows(const SparseSinkAttentionParams&
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
         const int dim = dim_first + 8 * n;
-        float x0 = o[n][2 * i] * f, x1 = o[n][2 * i + 1] * f;
-        if (p.inv_rope != nullptr && dim >= rope_lo) {
-          const float2 cs =
-              reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
-          inverse_rope_pair(x0, x1, cs);
-        }
-        *reinterpret_cast<uint32_t*>(out + dim) = pack_bf16x2(x0, x1);
+        *reinterpret_cast<uint32_t*>(out + dim) =
+            output_pair(p, o[n][2 * i] * f, o[n][2 * i + 1] * f, bs, dim, rope_lo);
       }
       if (write_lse) p.lse[row] = lse[i];
     } else {

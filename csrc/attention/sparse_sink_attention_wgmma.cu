@@ -460,13 +460,8 @@ __device__ __forceinline__ void finish_rows_staged(const SparseSinkAttentionPara
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
         const int dim = dim_first + 8 * n;
-        float x0 = o[n][2 * i] * f, x1 = o[n][2 * i + 1] * f;
-        if (p.inv_rope != nullptr && dim >= rope_lo) {
-          const float2 cs =
-              reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
-          inverse_rope_pair(x0, x1, cs);
-        }
-        *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(x0, x1);
+        *reinterpret_cast<uint32_t*>(dst + dim * 2) =
+            output_pair(p, o[n][2 * i] * f, o[n][2 * i + 1] * f, bs, dim, rope_lo);
       }
       if (c == 0 && q4 == 0) p.lse[row] = r.lse[i];
     } else {
