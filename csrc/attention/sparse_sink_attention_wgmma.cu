@@ -439,6 +439,7 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
 // f32 2080) so the accumulator-layout writes hit 32 distinct banks.
 constexpr int kStageRowBf16 = D * 2 + 16;
 constexpr int kStageRowF32 = D * 4 + 32;
+static_assert(D * 2 / 16 == 64 && D * 4 / 16 == 128, "finish_rows_staged's chunk shifts");
 static_assert(BM * kStageRowF32 <= kOffValid, "staged f32 rows fit Q's region and both tile stages");
 
 __device__ __forceinline__ void finish_rows_staged(const SparseSinkAttentionParams& p, uint8_t* smem,
@@ -475,24 +476,16 @@ __device__ __forceinline__ void finish_rows_staged(const SparseSinkAttentionPara
     }
   }
   __syncthreads();
-  if (p.num_splits == 1) {
-    constexpr int kRowChunks = D * 2 / 16;
-    uint8_t* out = static_cast<uint8_t*>(p.out);
-    for (int k = tid; k < BM * kRowChunks; k += kThreads) {
-      const int lr = k / kRowChunks, ch = k % kRowChunks, h = h0 + lr;
-      if (h < p.heads)
-        *reinterpret_cast<uint4*>(out + (bs * p.heads + h) * int64_t(D * 2) + ch * 16) =
-            *reinterpret_cast<const uint4*>(smem + lr * kStageRowBf16 + ch * 16);
-    }
-  } else {
-    constexpr int kRowChunks = D * 4 / 16;
-    uint8_t* out = reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
-    for (int k = tid; k < BM * kRowChunks; k += kThreads) {
-      const int lr = k / kRowChunks, ch = k % kRowChunks, h = h0 + lr;
-      if (h < p.heads)
-        *reinterpret_cast<uint4*>(out + (bs * p.heads + h) * int64_t(D * 4) + ch * 16) =
-            *reinterpret_cast<const uint4*>(smem + lr * kStageRowF32 + ch * 16);
-    }
+  // Out: 16-byte chunks of the staged rows, consecutive threads along a row.
+  const bool whole = p.num_splits == 1;
+  const int stage_row = whole ? kStageRowBf16 : kStageRowF32, chunk_shift = whole ? 6 : 7;  // D * 2 or 4 / 16
+  uint8_t* out = whole ? static_cast<uint8_t*>(p.out)
+                       : reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
+  for (int k = tid; k < (BM << chunk_shift); k += kThreads) {
+    const int lr = k >> chunk_shift, ch = k & ((1 << chunk_shift) - 1), h = h0 + lr;
+    if (h < p.heads)
+      *reinterpret_cast<uint4*>(out + ((bs * p.heads + h) << (chunk_shift + 4)) + ch * 16) =
+          *reinterpret_cast<const uint4*>(smem + lr * stage_row + ch * 16);
   }
 }
 #endif
