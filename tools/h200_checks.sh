@@ -17,9 +17,9 @@
 #   prep-half       the half-warp-per-row prep layout (written 2026-12-05, not yet run):
 #                   kernel_driver --prep-half edge cases, memcheck, then bench-prep with and
 #                   without --prep-half alternating
-#   staged          the staged-output epilogue (written 2026-12-06, not yet run): kernel_driver
-#                   --wgmma-staged edge cases under timeout, memcheck, then bench "DSpark block" and
-#                   "CSA decode" with --wgmma-lockstep and --wgmma-staged alternating
+#   epilogue-ab     the release kernels against an older kernel_driver ($OLD_DRIVER, e.g. one
+#                   built before an epilogue change): bench with --wgmma-lockstep and --wgmma-ws,
+#                   old and new alternating (CUDA events, same run)
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
@@ -81,13 +81,12 @@ for step in "$@"; do
         run 60 "$DRIVER" bench-prep
         run 60 "$DRIVER" --prep-half bench-prep
       done ;;
-    staged)
-      run 60 "$DRIVER" --wgmma-staged
-      [ "$last" -ne 0 ] && echo "== staged: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
-      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-staged
-      for schedule in --wgmma-lockstep --wgmma-staged --wgmma-lockstep --wgmma-staged; do
-        run 60 "$DRIVER" "$schedule" bench "DSpark block"
-        run 30 "$DRIVER" "$schedule" bench "CSA decode"
+    epilogue-ab)
+      for schedule in --wgmma-lockstep --wgmma-ws; do
+        for i in 1 2; do
+          run 150 "${OLD_DRIVER:?}" "$schedule" bench
+          run 150 "$DRIVER" "$schedule" bench
+        done
       done ;;
     probes)
       for mode in --wgmma-lockstep --probe-gather1 --probe-gather2 --probe-math --wgmma-lockstep; do

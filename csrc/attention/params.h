@@ -88,9 +88,6 @@ cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& 
 enum class AttnProbe { kGatherDepth1, kGatherDepth2, kMathOnly };
 cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParams& p, AttnProbe probe,
                                                   cudaStream_t stream);
-// The lockstep kernel with its output staged through shared memory and written in 16-byte
-// stores (finish_rows_staged; real outputs, a candidate not yet dispatched).
-cudaError_t run_sparse_sink_attention_wgmma_staged(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // The memory pipeline of a D-split pair of CTAs: each gathers its 512-byte half of every row
 // into 32 KB half-tiles, `depth` (1..5) of them in flight; p.num_splits as given.
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,

@@ -419,37 +419,30 @@ __device__ __forceinline__ RowStats row_stats(uint8_t* smem, const float (&m_run
   return r;
 }
 
-// Epilogue of the consumer warpgroups: both warpgroups hold whole rows (their halves of D),
-// warpgroup 0 stores the lse.
-template <int kOffSwap = kOffXRow>
+// Epilogue of the two compute warpgroups (each holds its half of D of every row; warpgroup 0
+// stores the lse). The rows go through shared memory (Q's region and both tile stages, free
+// once every compute warp is past its last P V) and out in 16-byte stores, a warp writing 512
+// contiguous bytes of one row. Storing straight from the accumulator layout took 64 four-byte
+// stores a thread, each instruction touching 8 rows 1 KB apart: the short launches were bound
+// by those (ncu of the DSpark block: LG throttle); staged, the DSpark block took 50.2 instead
+// of 56.3 us on the H200 (docs/kernels.md, "Staged output stores"). Staged rows are padded
+// (bf16 1040 bytes, f32 2080) so the accumulator-layout writes hit 32 distinct banks. Only
+// the 256 compute threads take part (kEpilogueBar): the warp-specialised kernel's producers
+// have returned by then, their last copies landed before the last tile was announced.
+constexpr int kStageRowBf16 = D * 2 + 16;
+constexpr int kStageRowF32 = D * 4 + 32;
+constexpr int kEpilogueBar = 9;  // named barrier of the compute threads; 1..8 are the swap, full and empty ones
+static_assert(D * 2 / 16 == 64 && D * 4 / 16 == 128, "finish_rows's chunk shifts");
+static_assert(BM * kStageRowF32 <= kOffValid, "staged f32 rows fit Q's region and both tile stages");
+
 __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
                                             const float (&m_run)[2], const float (&l_run)[2], int64_t bs, int h0,
                                             int split, int tid) {
   const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
-  const RowStats r = row_stats<kOffSwap>(smem, m_run, l_run, tid);
-  store_head_rows(p, o, r.lse, r.inv, bs, h0 + 16 * w + g, 256 * c + 2 * q4, c == 0 && q4 == 0, split);
-}
-
-#ifdef JAX_DSPARK_ATTENTION_PROBES
-// Candidate epilogue (kernel_driver --wgmma-staged only, not yet run; docs/kernels.md, Next
-// steps 0): the output rows go through shared memory (Q's region and both tile stages, free
-// once every warp is past its last P V) and out in 16-byte stores, a warp writing 512
-// contiguous bytes of one row, instead of 64 four-byte stores a thread that each touch 8 rows
-// 1 KB apart (the DSpark blocks' ncu: LG throttle). Staged rows are padded (bf16 1040 bytes,
-// f32 2080) so the accumulator-layout writes hit 32 distinct banks.
-constexpr int kStageRowBf16 = D * 2 + 16;
-constexpr int kStageRowF32 = D * 4 + 32;
-static_assert(D * 2 / 16 == 64 && D * 4 / 16 == 128, "finish_rows_staged's chunk shifts");
-static_assert(BM * kStageRowF32 <= kOffValid, "staged f32 rows fit Q's region and both tile stages");
-
-__device__ __forceinline__ void finish_rows_staged(const SparseSinkAttentionParams& p, uint8_t* smem,
-                                                   const float (&o)[32][4], const float (&m_run)[2],
-                                                   const float (&l_run)[2], int64_t bs, int h0, int split, int tid) {
-  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
   const RowStats r = row_stats(smem, m_run, l_run, tid);
   const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
   const int dim_first = 256 * c + 2 * q4, rope_lo = D - p.rope_dim;
-  __syncthreads();  // every warp past its last S and P V: Q's region and the stages are free
+  named_barrier_sync(kEpilogueBar, kThreads);  // every compute warp past its last S and P V
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int lr = 16 * w + g + 8 * i, h = h0 + lr;
@@ -475,7 +468,7 @@ __device__ __forceinline__ void finish_rows_staged(const SparseSinkAttentionPara
       if (c == 0 && q4 == 0) p.partial_lse[int64_t(split) * rows + row] = r.lse[i];
     }
   }
-  __syncthreads();
+  named_barrier_sync(kEpilogueBar, kThreads);
   // Out: 16-byte chunks of the staged rows, consecutive threads along a row.
   const bool whole = p.num_splits == 1;
   const int stage_row = whole ? kStageRowBf16 : kStageRowF32, chunk_shift = whole ? 6 : 7;  // D * 2 or 4 / 16
@@ -488,7 +481,6 @@ __device__ __forceinline__ void finish_rows_staged(const SparseSinkAttentionPara
           *reinterpret_cast<const uint4*>(smem + lr * stage_row + ch * 16);
   }
 }
-#endif
 
 // This thread's share of the Q block (heads h0 .. h0 + 63 of query row bs) into `dst` in the
 // tile layout, by cp.async (the caller commits); absent heads as zeros (their rows of O are
@@ -511,7 +503,7 @@ __device__ __forceinline__ void issue_q_block(const SparseSinkAttentionParams& p
 // kMathOnly (diagnostic builds only, JAX_DSPARK_ATTENTION_PROBES): tiles 0 and 1 are gathered
 // as usual, later tiles are not (their stages keep tiles 0 and 1), so the kernel times the
 // compute chain without the memory behind it. Results are meaningless then.
-template <bool kFp8, bool kMathOnly = false, bool kStagedStore = false>
+template <bool kFp8, bool kMathOnly = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
@@ -561,12 +553,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
-#ifdef JAX_DSPARK_ATTENTION_PROBES
-  if constexpr (kStagedStore) {
-    finish_rows_staged(p, smem, o, m_run, l_run, bs, h0, split, tid);
-    return;
-  }
-#endif
   finish_rows(p, smem, o, m_run, l_run, bs, h0, split, tid);
 }
 
@@ -589,7 +575,7 @@ constexpr int kWsThreads = kThreads + 128;
 constexpr int kFullBar = 5;   // + stage; 1..4 are the consumers' swap barriers
 constexpr int kEmptyBar = 7;  // + stage
 constexpr int kRowsPerProducerWarp = BK / 4;
-static_assert(kEmptyBar + 1 < 16, "named barrier ids");
+static_assert(kEmptyBar + 1 < kEpilogueBar && kEpilogueBar < 16, "named barrier ids");
 // Registers a thread of each side gets after `setmaxnreg`. The CTA's pool is what it was
 // launched with, 168 a thread (ptxas's allocation for 384 threads), and `setmaxnreg.inc`
 // waits until the pool can cover it: a split that asks for more than the producers gave back
@@ -696,16 +682,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     const uint8_t* main = static_cast<const uint8_t*>(p.main_rows);
     const uint8_t* extra = static_cast<const uint8_t*>(p.extra_rows);
     const uint8_t* q = static_cast<const uint8_t*>(p.q);
+    // No tile, no Q either: nothing would wait for its copies before the epilogue stages rows over it.
+    if (ntiles == 0) return;
     {  // Q block, absent heads as zeros (their rows of O are never stored)
       const uint8_t* q_rows = q + bs * p.heads * int64_t(D * 2);  // head h of this query row at h * 1024
       const int h = item.h0 + my_row;
       issue_rows(smem_addr(smem + kOffQ), q_rows, q_rows, BK, h < p.heads ? h : -1, q, pw, lane);
     }
     if constexpr (kFp8) {
-      if (ntiles > 0)
-        produce_fp8_tiles(p, smem, item, tid - kThreads);
-      else
-        cp_async_commit(), cp_async_wait<0>();  // the Q group; no tile, nothing announced
+      produce_fp8_tiles(p, smem, item, tid - kThreads);
       return;
     }
     // Tile t into stage t % 2, with its row-validity flags; `eff` from `index_of(t)`.
@@ -717,10 +702,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
       cp_async_commit();
     };
     int eff = -1;
-    if (ntiles > 0)
-      issue_tile(0, index_of(0));  // one group with Q
-    else
-      cp_async_commit();
+    issue_tile(0, index_of(0));  // one group with Q
     if (ntiles > 1) issue_tile(1, index_of(1));
     if (ntiles > 2) eff = index_of(2);
     // Announce tile 0; then, the consumers on tile t: announce t + 1 once landed, take
@@ -730,7 +712,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     else
       cp_async_wait<0>();
     fence_proxy_async_smem();  // this thread's copies and flag stores, before wgmma reads them
-    if (ntiles > 0) named_barrier_arrive(kFullBar, kWsThreads);
+    named_barrier_arrive(kFullBar, kWsThreads);
     for (int t = 0; t + 1 < ntiles; ++t) {
       cp_async_wait<0>();  // tile t + 1: the only group in flight
       fence_proxy_async_smem();
@@ -946,16 +928,6 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 #endif
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
-cudaError_t run_sparse_sink_attention_wgmma_staged(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
-  const bool fp8 = p.main_fp8 || p.extra_fp8;
-  const cudaError_t err =
-      fp8 ? launch_attention_grid<sparse_sink_attention_wgmma_kernel<true, false, true>>(p, kThreads, kSmemBytes, stream)
-          : launch_attention_grid<sparse_sink_attention_wgmma_kernel<false, false, true>>(p, kThreads, kSmemBytes, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
-  return launch_sparse_sink_attention_combine(p, stream);
-}
-
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
                                                     cudaStream_t stream) {
   if (p.main_fp8 || p.extra_fp8) return cudaErrorInvalidValue;  // bf16 rows only
