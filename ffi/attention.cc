@@ -109,6 +109,16 @@ ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num
   if (workspace->element_type() != DT::F32 || int64_t(workspace->element_count()) < ws_need)
     return bad("workspace must be f32 with at least " + std::to_string(ws_need) + " elements for num_splits = " +
                std::to_string(num_splits) + ", got " + dims_str(workspace->dimensions()));
+  // The kernels read q and bf16 rows in 16-byte copies and write out and the split partials in
+  // 16-byte stores (the staged epilogue), so every such base address must be 16-byte aligned
+  // (XLA's buffers are; a misaligned one would fault, so it is refused here).
+  // Empty buffers are not checked (nothing is read from or written to them).
+  auto misaligned = [](const ffi::AnyBuffer& buf) {
+    return buf.element_count() > 0 && reinterpret_cast<uintptr_t>(buf.untyped_data()) % 16 != 0;
+  };
+  if (misaligned(q) || (!main_fp8 && misaligned(main_rows)) || (!extra_fp8 && misaligned(extra_rows)) ||
+      misaligned(*out) || (num_splits > 1 && misaligned(*workspace)))
+    return bad("q, bf16 row pools, out and workspace must be 16-byte aligned");
 
   jds::SparseSinkAttentionParams p{};
   p.q = q.untyped_data();
