@@ -17,9 +17,10 @@
 #   prep-half       the half-warp-per-row prep layout (written 2026-12-05, not yet run):
 #                   kernel_driver --prep-half edge cases, memcheck, then bench-prep with and
 #                   without --prep-half alternating
-#   epilogue-ab     the release kernels against an older kernel_driver ($OLD_DRIVER, e.g. one
-#                   built before an epilogue change): bench with --wgmma-lockstep and --wgmma-ws,
-#                   old and new alternating (CUDA events, same run)
+#   ab              the attention kernels against an older kernel_driver ($OLD_DRIVER, one built
+#                   before the change): bench of $AB_CASES (a case-name filter, default all ten;
+#                   about 50 s for all) with --wgmma-lockstep and --wgmma-ws, old and new
+#                   alternating twice (CUDA events, same run)
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
@@ -81,11 +82,11 @@ for step in "$@"; do
         run 60 "$DRIVER" bench-prep
         run 60 "$DRIVER" --prep-half bench-prep
       done ;;
-    epilogue-ab)
+    ab)
       for schedule in --wgmma-lockstep --wgmma-ws; do
         for i in 1 2; do
-          run 150 "${OLD_DRIVER:?}" "$schedule" bench
-          run 150 "$DRIVER" "$schedule" bench
+          run 150 "${OLD_DRIVER:?}" "$schedule" bench ${AB_CASES:+"$AB_CASES"}
+          run 150 "$DRIVER" "$schedule" bench ${AB_CASES:+"$AB_CASES"}
         done
       done ;;
     probes)
