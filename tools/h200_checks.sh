@@ -17,6 +17,10 @@
 #   prep-half       the half-warp-per-row prep layout (written 2026-12-05, not yet run):
 #                   kernel_driver --prep-half edge cases, memcheck, then bench-prep with and
 #                   without --prep-half alternating
+#   cluster         the cluster-merged split partials (written 2026-12-06, not yet run):
+#                   kernel_driver --wgmma-cluster edge cases under timeout, memcheck, racecheck,
+#                   then bench (the split cases: CSA decode, HCA, dense 16k) with
+#                   --wgmma-lockstep and --wgmma-cluster alternating
 #   ab              the attention kernels against an older kernel_driver ($OLD_DRIVER, one built
 #                   before the change): bench of $AB_CASES (a case-name filter, default all ten;
 #                   about 50 s for all) with --wgmma-lockstep and --wgmma-ws, old and new
@@ -81,6 +85,16 @@ for step in "$@"; do
       for i in 1 2; do
         run 60 "$DRIVER" bench-prep
         run 60 "$DRIVER" --prep-half bench-prep
+      done ;;
+    cluster)
+      run 60 "$DRIVER" --wgmma-cluster
+      [ "$last" -ne 0 ] && echo "== cluster: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-cluster
+      run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-cluster
+      for schedule in --wgmma-lockstep --wgmma-cluster --wgmma-lockstep --wgmma-cluster; do
+        for c in "CSA decode" "HCA" "dense 16k"; do
+          run 60 "$DRIVER" "$schedule" bench "$c"
+        done
       done ;;
     ab)
       for schedule in --wgmma-lockstep --wgmma-ws; do

@@ -83,6 +83,55 @@ __device__ __forceinline__ uint32_t output_pair(const SparseSinkAttentionParams&
   return pack_bf16x2(x0, x1);
 }
 
+// One warp merges the split partials of output row `row` (head h of query row bs) by their
+// log-sum-exp, then applies the sink and the inverse RoPE and stores the bf16 row and its lse;
+// lane l holds dims 16 l .. 16 l + 15. `split_lse(sp)`: split sp's lse (natural log, sink
+// excluded, -inf when it saw no valid row); `split_chunk(sp, k)`: float4 k (0..3) of the
+// lane's 16 dims of split sp's normalised partial O / l. Where the partials live is the
+// caller's: global memory for the combine kernel, a cluster's shared memory for the cluster
+// epilogue (kernel_driver --wgmma-cluster).
+template <class SplitLse, class SplitChunk>
+__device__ __forceinline__ void combine_row(const SparseSinkAttentionParams& p, int64_t row, int h, int64_t bs,
+                                            int lane, SplitLse&& split_lse, SplitChunk&& split_chunk) {
+  constexpr int D = kAttnHeadDim;
+  const float mine = lane < p.num_splits ? split_lse(lane) : -INFINITY;
+  float mx = mine;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float w = mx == -INFINITY ? 0.f : __expf(mine - mx);
+  float sum = w;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse = mx == -INFINITY ? -INFINITY : mx + __logf(sum);
+
+  float acc[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+  if (mx != -INFINITY) {
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      const float ws = __shfl_sync(0xffffffffu, w, sp) / sum;
+      if (ws == 0.f) continue;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float4 v = split_chunk(sp, k);
+        acc[4 * k] += ws * v.x;
+        acc[4 * k + 1] += ws * v.y;
+        acc[4 * k + 2] += ws * v.z;
+        acc[4 * k + 3] += ws * v.w;
+      }
+    }
+  }
+  const float f = sink_factor(p.sink, h, lse);
+  const int rope_lo = D - p.rope_dim;
+  uint32_t packed[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) packed[k] = output_pair(p, acc[2 * k] * f, acc[2 * k + 1] * f, bs, lane * 16 + 2 * k, rope_lo);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + row * D + lane * 16);
+  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  if (lane == 0) p.lse[row] = lse;
+}
+
 // Stores the rows of heads h_first and h_first + 8 of query row `bs` that this thread holds
 // in the m16n8 accumulator layout: o[n][2i], o[n][2i+1] are dims dim_first + 8n (+1) of
 // row i, unnormalised; inv = 1 / row sum, lse = log-sum-exp (natural log, sink excluded).

@@ -491,51 +491,11 @@ __global__ void __launch_bounds__(256) attention_combine_kernel(const SparseSink
   const int h = int(row % p.heads);
   const int64_t bs = row / p.heads;
 
-  const float mine = lane < p.num_splits ? p.partial_lse[int64_t(lane) * rows + row] : -INFINITY;
-  float mx = mine;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float w = mx == -INFINITY ? 0.f : __expf(mine - mx);
-  float sum = w;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = mx == -INFINITY ? -INFINITY : mx + __logf(sum);
-
-  float acc[16];
-#pragma unroll
-  for (int k = 0; k < 16; ++k) acc[k] = 0.f;
-  if (mx != -INFINITY) {
-    for (int sp = 0; sp < p.num_splits; ++sp) {
-      const float ws = __shfl_sync(0xffffffffu, w, sp) / sum;
-      if (ws == 0.f) continue;
-      const float4* src = reinterpret_cast<const float4*>(p.partial_out + (int64_t(sp) * rows + row) * D + lane * 16);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float4 v = src[k];
-        acc[4 * k] += ws * v.x;
-        acc[4 * k + 1] += ws * v.y;
-        acc[4 * k + 2] += ws * v.z;
-        acc[4 * k + 3] += ws * v.w;
-      }
-    }
-  }
-  const float f = sink_factor(p.sink, h, lse);
-  const int rope_lo = D - p.rope_dim;
-  uint32_t packed[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const int dim = lane * 16 + 2 * k;
-    float x0 = acc[2 * k] * f, x1 = acc[2 * k + 1] * f;
-    if (p.inv_rope != nullptr && dim >= rope_lo) {
-      const float2 cs = reinterpret_cast<const float2*>(p.inv_rope)[bs * (p.rope_dim / 2) + (dim - rope_lo) / 2];
-      inverse_rope_pair(x0, x1, cs);
-    }
-    packed[k] = pack_bf16x2(x0, x1);
-  }
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + row * D + lane * 16);
-  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-  if (lane == 0) p.lse[row] = lse;
+  combine_row(
+      p, row, h, bs, lane, [&](int sp) { return p.partial_lse[int64_t(sp) * rows + row]; },
+      [&](int sp, int k) {
+        return reinterpret_cast<const float4*>(p.partial_out + (int64_t(sp) * rows + row) * D + lane * 16)[k];
+      });
 }
 
 // Launches one instantiation (bf16 pools only, or any FP8 pool).

@@ -482,6 +482,51 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
   }
 }
 
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+// Candidate epilogue for split lists (kernel_driver --wgmma-cluster only; written 2026-12-06,
+// not yet run): the num_splits (2..8) CTAs of a work item form one cluster and merge their
+// partials through distributed shared memory, instead of writing f32 partials to global
+// memory (2 KB a row and split) for a second launch to read back (CSA decode: 16 MB written
+// and read again at 2 splits). Each CTA stages its normalised partial rows (f32, padded as in
+// finish_rows) and their lse (in the P swap area), the cluster syncs, CTA `rank`'s warps merge
+// rows rank, rank + n, ... of the 64 over all splits (combine_row, reading the other CTAs'
+// shared memory) and store them, and the cluster syncs again so that no CTA exits while its
+// rows are still being read.
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+__device__ __forceinline__ void finish_rows_cluster(const SparseSinkAttentionParams& p, uint8_t* smem,
+                                                    const float (&o)[32][4], const float (&m_run)[2],
+                                                    const float (&l_run)[2], int64_t bs, int h0, int tid) {
+  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const RowStats r = row_stats(smem, m_run, l_run, tid);
+  float* lse_rows = reinterpret_cast<float*>(smem + kOffXP);
+  named_barrier_sync(kEpilogueBar, kThreads);  // every warp past its last S and P V
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int lr = 16 * w + g + 8 * i;
+    uint8_t* dst = smem + lr * kStageRowF32;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      const int dim = 256 * c + 2 * q4 + 8 * n;
+      *reinterpret_cast<float2*>(dst + dim * 4) = make_float2(o[n][2 * i] * r.inv[i], o[n][2 * i + 1] * r.inv[i]);
+    }
+    if (c == 0 && q4 == 0) lse_rows[lr] = r.lse[i];
+  }
+  cluster_sync();
+  const int n = p.num_splits, rank = int(cluster_ctarank()), warp = tid >> 5;
+  const uint32_t rows_base = smem_addr(smem), lse_base = smem_addr(lse_rows);
+  for (int lr = rank + n * warp; lr < BM; lr += n * (kThreads / 32)) {
+    const int h = h0 + lr;
+    if (h >= p.heads) continue;
+    combine_row(
+        p, bs * p.heads + h, h, bs, lane, [&](int sp) { return ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)); },
+        [&](int sp, int k) {
+          return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + lane * 64 + k * 16, sp));
+        });
+  }
+  cluster_sync();
+}
+#endif
+
 // This thread's share of the Q block (heads h0 .. h0 + 63 of query row bs) into `dst` in the
 // tile layout, by cp.async (the caller commits); absent heads as zeros (their rows of O are
 // never stored).
@@ -503,7 +548,7 @@ __device__ __forceinline__ void issue_q_block(const SparseSinkAttentionParams& p
 // kMathOnly (diagnostic builds only, JAX_DSPARK_ATTENTION_PROBES): tiles 0 and 1 are gathered
 // as usual, later tiles are not (their stages keep tiles 0 and 1), so the kernel times the
 // compute chain without the memory behind it. Results are meaningless then.
-template <bool kFp8, bool kMathOnly = false>
+template <bool kFp8, bool kMathOnly = false, bool kCluster = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
@@ -553,6 +598,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+  if constexpr (kCluster) {
+    finish_rows_cluster(p, smem, o, m_run, l_run, bs, h0, tid);
+    return;
+  }
+#endif
   finish_rows(p, smem, o, m_run, l_run, bs, h0, split, tid);
 }
 
@@ -865,6 +916,30 @@ cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t str
   return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel<kFp8>>(p, kWsThreads, kSmemBytes, stream);
 }
 
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+// The cluster candidate's launch: the grid's splits dimension is one cluster (finish_rows_cluster).
+template <bool kFp8>
+cudaError_t launch_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  auto kernel = sparse_sink_attention_wgmma_kernel<kFp8, false, true>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int nhb = (p.heads + BM - 1) / BM;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(nhb * p.seq, p.num_splits, p.batch);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = p.num_splits;
+  cluster.val.clusterDim.z = 1;
+  cfg.attrs = &cluster;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+#endif
+
 // Which launches take the warp-specialised schedule (both schedules timed with CUDA events
 // in one run, docs/kernels.md).
 // bf16 pools (H200, 2026-12-04): it wins only on V4-Pro HCA (103 against 110 us) and loses
@@ -928,6 +1003,12 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 #endif
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
+cudaError_t run_sparse_sink_attention_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.num_splits < 2 || p.num_splits > kMaxClusterSplits) return run_schedule(p, Schedule::kLockstep, stream);
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  return (p.main_fp8 || p.extra_fp8) ? launch_wgmma_cluster<true>(p, stream) : launch_wgmma_cluster<false>(p, stream);
+}
+
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
                                                     cudaStream_t stream) {
   if (p.main_fp8 || p.extra_fp8) return cudaErrorInvalidValue;  // bf16 rows only

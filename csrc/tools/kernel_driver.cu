@@ -4,6 +4,8 @@
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
 //   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
+//   kernel_driver ... --wgmma-cluster  the lockstep kernel merging split partials inside a cluster
+//                            (a candidate; edge cases and bench)
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
@@ -550,6 +552,8 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_lockstep;
     } else if (std::strcmp(argv[i], "--wgmma-ws") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
+    } else if (std::strcmp(argv[i], "--wgmma-cluster") == 0) {
+      run_attn = jds::run_sparse_sink_attention_wgmma_cluster;
     } else if (std::strcmp(argv[i], "--prep-half") == 0) {
       prep_half = 1;
     } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {
@@ -571,6 +575,7 @@ int main(int argc, char** argv) {
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
+                                         : run_attn == jds::run_sparse_sink_attention_wgmma_cluster ? "wgmma lockstep, split partials merged in a cluster"
                                          : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
                                          : run_attn == probe_gather2 ? "probe: lockstep gather alone, 2 tiles in flight"
                                          : run_attn == probe_math    ? "probe: lockstep compute alone"
