@@ -435,6 +435,14 @@ constexpr int kEpilogueBar = 9;  // named barrier of the compute threads; 1..8 a
 static_assert(D * 2 / 16 == 64 && D * 4 / 16 == 128, "finish_rows's chunk shifts");
 static_assert(BM * kStageRowF32 <= kOffValid, "staged f32 rows fit Q's region and both tile stages");
 
+// Row i (0 or 1) of this thread's accumulator rows, normalised by `inv`, into a staged f32
+// row at `dst` (its dims dim_first + 8 n, + 1).
+__device__ __forceinline__ void stage_f32_row(uint8_t* dst, const float (&o)[32][4], int i, float inv, int dim_first) {
+#pragma unroll
+  for (int n = 0; n < 32; ++n)
+    *reinterpret_cast<float2*>(dst + (dim_first + 8 * n) * 4) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+}
+
 __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
                                             const float (&m_run)[2], const float (&l_run)[2], int64_t bs, int h0,
                                             int split, int tid) {
@@ -459,12 +467,7 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
       }
       if (c == 0 && q4 == 0) p.lse[row] = r.lse[i];
     } else {
-      uint8_t* dst = smem + lr * kStageRowF32;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int dim = dim_first + 8 * n;
-        *reinterpret_cast<float2*>(dst + dim * 4) = make_float2(o[n][2 * i] * r.inv[i], o[n][2 * i + 1] * r.inv[i]);
-      }
+      stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], dim_first);
       if (c == 0 && q4 == 0) p.partial_lse[int64_t(split) * rows + row] = r.lse[i];
     }
   }
@@ -503,12 +506,7 @@ __device__ __forceinline__ void finish_rows_cluster(const SparseSinkAttentionPar
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int lr = 16 * w + g + 8 * i;
-    uint8_t* dst = smem + lr * kStageRowF32;
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      const int dim = 256 * c + 2 * q4 + 8 * n;
-      *reinterpret_cast<float2*>(dst + dim * 4) = make_float2(o[n][2 * i] * r.inv[i], o[n][2 * i + 1] * r.inv[i]);
-    }
+    stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], 256 * c + 2 * q4);
     if (c == 0 && q4 == 0) lse_rows[lr] = r.lse[i];
   }
   cluster_sync();
