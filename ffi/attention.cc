@@ -13,6 +13,7 @@
 // pools; Python picks the target per call (ops/_kernels.attention_target, docs/kernels.md).
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "attention/params.h"
 #include "ffi/handlers.h"
@@ -113,12 +114,16 @@ ffi::Error SparseSinkAttentionImpl(cudaStream_t stream, float scale, int32_t num
   // 16-byte stores (the staged epilogue), so every such base address must be 16-byte aligned
   // (XLA's buffers are; a misaligned one would fault, so it is refused here).
   // Empty buffers are not checked (nothing is read from or written to them).
-  auto misaligned = [](const ffi::AnyBuffer& buf) {
-    return buf.element_count() > 0 && reinterpret_cast<uintptr_t>(buf.untyped_data()) % 16 != 0;
-  };
-  if (misaligned(q) || (!main_fp8 && misaligned(main_rows)) || (!extra_fp8 && misaligned(extra_rows)) ||
-      misaligned(*out) || (num_splits > 1 && misaligned(*workspace)))
-    return bad("q, bf16 row pools, out and workspace must be 16-byte aligned");
+  const std::pair<const char*, const ffi::AnyBuffer*> vector_accessed[] = {
+      {"q", &q}, {"main_rows", main_fp8 ? nullptr : &main_rows}, {"extra_rows", extra_fp8 ? nullptr : &extra_rows},
+      {"out", &*out}, {"workspace", num_splits > 1 ? &*workspace : nullptr}};
+  for (const auto& [name, buf] : vector_accessed) {
+    if (buf == nullptr || buf->element_count() == 0) continue;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(buf->untyped_data());
+    if (addr % 16 != 0)
+      return bad(std::string(name) + " must be 16-byte aligned, got an address = " + std::to_string(addr % 16) +
+                 " mod 16");
+  }
 
   jds::SparseSinkAttentionParams p{};
   p.q = q.untyped_data();
