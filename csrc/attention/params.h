@@ -88,9 +88,9 @@ cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& 
 enum class AttnProbe { kGatherDepth1, kGatherDepth2, kMathOnly };
 cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParams& p, AttnProbe probe,
                                                   cudaStream_t stream);
-// The lockstep kernel with the splits of a work item as one cluster merging their partials
-// in distributed shared memory (finish_rows_cluster; no combine launch) when 2 <= num_splits
-// <= 8, the plain lockstep launch otherwise. A candidate, not dispatched.
+// The wgmma kernels (schedule as dispatched) with the splits of a work item as one cluster
+// merging their partials in distributed shared memory (finish_rows_cluster; no combine
+// launch) when 2 <= num_splits <= 8, the plain dispatch otherwise. A candidate, not dispatched.
 cudaError_t run_sparse_sink_attention_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // The memory pipeline of a D-split pair of CTAs: each gathers its 512-byte half of every row
 // into 32 KB half-tiles, `depth` (1..5) of them in flight; p.num_splits as given.

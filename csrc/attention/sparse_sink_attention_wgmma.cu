@@ -715,7 +715,17 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
   }
 }
 
-template <bool kFp8>
+// Where the producers leave: at once, or (the cluster candidate, finish_rows_cluster) after
+// taking part in the consumers' two cluster syncs, which every thread of the cluster joins.
+template <bool kCluster>
+__device__ __forceinline__ void producers_leave() {
+  if constexpr (kCluster) {
+    cluster_sync();
+    cluster_sync();
+  }
+}
+
+template <bool kFp8, bool kCluster = false>
 __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
@@ -732,7 +742,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     const uint8_t* extra = static_cast<const uint8_t*>(p.extra_rows);
     const uint8_t* q = static_cast<const uint8_t*>(p.q);
     // No tile, no Q either: nothing would wait for its copies before the epilogue stages rows over it.
-    if (ntiles == 0) return;
+    if (ntiles == 0) return producers_leave<kCluster>();
     {  // Q block, absent heads as zeros (their rows of O are never stored)
       const uint8_t* q_rows = q + bs * p.heads * int64_t(D * 2);  // head h of this query row at h * 1024
       const int h = item.h0 + my_row;
@@ -740,7 +750,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     }
     if constexpr (kFp8) {
       produce_fp8_tiles(p, smem, item, tid - kThreads);
-      return;
+      return producers_leave<kCluster>();
     }
     // Tile t into stage t % 2, with its row-validity flags; `eff` from `index_of(t)`.
     auto index_of = [&](int t) { return effective_index(p, key_begin + t * BK + my_row, key_end, bs); };
@@ -772,7 +782,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
         if (t + 3 < ntiles) eff = index_of(t + 3);
       }
     }
-    return;
+    return producers_leave<kCluster>();
   }
 
   setmaxnreg_inc<kConsumerRegs<kFp8>>();
@@ -786,6 +796,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     consume_stage(o, m_run, l_run, smem, q_base, stage, min(BK, key_end - (key_begin + t * BK)), sl2, tid);
     if (t + 2 < ntiles) named_barrier_arrive(kEmptyBar + stage, kWsThreads);  // its wgmmas have completed
   }
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+  if constexpr (kCluster) {
+    finish_rows_cluster(p, smem, o, m_run, l_run, bs, item.h0, tid);
+    return;
+  }
+#endif
   finish_rows(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
 }
 
@@ -899,32 +915,32 @@ cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream
 // The pool the setmaxnreg split assumes is the kernel's launch allocation (kLaunchRegs a
 // thread); were ptxas ever to allocate fewer, the consumers' setmaxnreg.inc would wait
 // forever. Checked once per instantiation on the host, so that case is an error, not a hang.
-template <bool kFp8>
+template <void (*Kernel)(SparseSinkAttentionParams)>
 cudaError_t ws_register_pool() {
   cudaFuncAttributes attr{};
-  const cudaError_t err = cudaFuncGetAttributes(&attr, sparse_sink_attention_wgmma_ws_kernel<kFp8>);
+  const cudaError_t err = cudaFuncGetAttributes(&attr, Kernel);
   if (err != cudaSuccess) return err;
   return attr.numRegs >= kLaunchRegs ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
 
 template <bool kFp8>
 cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  static const cudaError_t pool = ws_register_pool<kFp8>();
+  static const cudaError_t pool = ws_register_pool<sparse_sink_attention_wgmma_ws_kernel<kFp8>>();
   if (pool != cudaSuccess) return pool;
   return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel<kFp8>>(p, kWsThreads, kSmemBytes, stream);
 }
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
-// The cluster candidate's launch: the grid's splits dimension is one cluster (finish_rows_cluster).
-template <bool kFp8>
-cudaError_t launch_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  auto kernel = sparse_sink_attention_wgmma_kernel<kFp8, false, true>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+// The cluster candidate's launches: the grid's splits dimension is one cluster
+// (finish_rows_cluster), for the lockstep kernel or the warp-specialised one.
+template <void (*Kernel)(SparseSinkAttentionParams)>
+cudaError_t launch_cluster(const SparseSinkAttentionParams& p, int threads, cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   const int nhb = (p.heads + BM - 1) / BM;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(nhb * p.seq, p.num_splits, p.batch);
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = kSmemBytes;
   cfg.stream = stream;
   cudaLaunchAttribute cluster{};
@@ -934,7 +950,16 @@ cudaError_t launch_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_
   cluster.val.clusterDim.z = 1;
   cfg.attrs = &cluster;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  return cudaLaunchKernelEx(&cfg, Kernel, p);
+}
+
+template <bool kFp8>
+cudaError_t launch_wgmma_cluster(const SparseSinkAttentionParams& p, bool warp_specialised, cudaStream_t stream) {
+  if (!warp_specialised) return launch_cluster<sparse_sink_attention_wgmma_kernel<kFp8, false, true>>(p, kThreads, stream);
+  constexpr auto kernel = sparse_sink_attention_wgmma_ws_kernel<kFp8, true>;
+  static const cudaError_t pool = ws_register_pool<kernel>();
+  if (pool != cudaSuccess) return pool;
+  return launch_cluster<kernel>(p, kWsThreads, stream);
 }
 #endif
 
@@ -1002,9 +1027,10 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
 cudaError_t run_sparse_sink_attention_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  if (p.num_splits < 2 || p.num_splits > kMaxClusterSplits) return run_schedule(p, Schedule::kLockstep, stream);
+  if (p.num_splits < 2 || p.num_splits > kMaxClusterSplits) return run_sparse_sink_attention_wgmma(p, stream);
   if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
-  return (p.main_fp8 || p.extra_fp8) ? launch_wgmma_cluster<true>(p, stream) : launch_wgmma_cluster<false>(p, stream);
+  const bool ws = use_warp_specialised(p);
+  return (p.main_fp8 || p.extra_fp8) ? launch_wgmma_cluster<true>(p, ws, stream) : launch_wgmma_cluster<false>(p, ws, stream);
 }
 
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
