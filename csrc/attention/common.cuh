@@ -1,6 +1,6 @@
 // What the sparse sink attention kernels (mma.sync and wgmma) share: the CTA's work item
-// (64 heads of one query row, one split of its row list), the sink, the inverse RoPE, and
-// the store of a thread's two output rows, whole or as split-K partials.
+// (64 heads of one query row, one split of its row list), the sink, the inverse RoPE and the
+// output pair, and the merge of split-K partials into a row (combine_row).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -130,44 +130,6 @@ __device__ __forceinline__ void combine_row(const SparseSinkAttentionParams& p, 
   dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   if (lane == 0) p.lse[row] = lse;
-}
-
-// Stores the rows of heads h_first and h_first + 8 of query row `bs` that this thread holds
-// in the m16n8 accumulator layout: o[n][2i], o[n][2i+1] are dims dim_first + 8n (+1) of
-// row i, unnormalised; inv = 1 / row sum, lse = log-sum-exp (natural log, sink excluded).
-// One split: bf16 output with the sink and the inverse RoPE; several: f32 partials O / l
-// and their lse for the combine kernel. `write_lse`: this thread stores the row's lse.
-__device__ __forceinline__ void store_head_rows(const SparseSinkAttentionParams& p, const float (&o)[32][4],
-                                                const float (&lse)[2], const float (&inv)[2], int64_t bs,
-                                                int h_first, int dim_first, bool write_lse, int split) {
-  constexpr int D = kAttnHeadDim;
-  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
-  const int rope_lo = D - p.rope_dim;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int h = h_first + 8 * i;
-    if (h >= p.heads) continue;
-    const int64_t row = bs * p.heads + h;
-    if (p.num_splits == 1) {
-      const float f = inv[i] * sink_factor(p.sink, h, lse[i]);
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * D;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int dim = dim_first + 8 * n;
-        *reinterpret_cast<uint32_t*>(out + dim) =
-            output_pair(p, o[n][2 * i] * f, o[n][2 * i + 1] * f, bs, dim, rope_lo);
-      }
-      if (write_lse) p.lse[row] = lse[i];
-    } else {
-      float* po = p.partial_out + (int64_t(split) * rows + row) * D;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int dim = dim_first + 8 * n;
-        *reinterpret_cast<float2*>(po + dim) = make_float2(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
-      }
-      if (write_lse) p.partial_lse[int64_t(split) * rows + row] = lse[i];
-    }
-  }
 }
 
 // UE8M0 byte -> 2^(e - 127) as an exact float (e = 0 is the subnormal 2^-127, 255 is inf).

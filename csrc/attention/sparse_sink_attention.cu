@@ -281,6 +281,43 @@ __device__ __forceinline__ void produce_q(const SparseSinkAttentionParams& p, ui
     bulk_copy_g2s(smem + kOffQ + r * kRowStride, q + int64_t(r) * D, kRowBytes, bar_q);
 }
 
+// Stores the rows of heads h_first and h_first + 8 of query row `bs` that this thread holds
+// in the m16n8 accumulator layout: o[n][2i], o[n][2i+1] are dims dim_first + 8n (+1) of
+// row i, unnormalised; inv = 1 / row sum, lse = log-sum-exp (natural log, sink excluded).
+// One split: bf16 output with the sink and the inverse RoPE; several: f32 partials O / l
+// and their lse for the combine kernel. `write_lse`: this thread stores the row's lse.
+__device__ __forceinline__ void store_head_rows(const SparseSinkAttentionParams& p, const float (&o)[32][4],
+                                                const float (&lse)[2], const float (&inv)[2], int64_t bs,
+                                                int h_first, int dim_first, bool write_lse, int split) {
+  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
+  const int rope_lo = D - p.rope_dim;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int h = h_first + 8 * i;
+    if (h >= p.heads) continue;
+    const int64_t row = bs * p.heads + h;
+    if (p.num_splits == 1) {
+      const float f = inv[i] * sink_factor(p.sink, h, lse[i]);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * D;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        *reinterpret_cast<uint32_t*>(out + dim) =
+            output_pair(p, o[n][2 * i] * f, o[n][2 * i + 1] * f, bs, dim, rope_lo);
+      }
+      if (write_lse) p.lse[row] = lse[i];
+    } else {
+      float* po = p.partial_out + (int64_t(split) * rows + row) * D;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        *reinterpret_cast<float2*>(po + dim) = make_float2(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
+      }
+      if (write_lse) p.partial_lse[int64_t(split) * rows + row] = lse[i];
+    }
+  }
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_sink_attention_kernel(const SparseSinkAttentionParams p) {
