@@ -17,10 +17,10 @@
 #   prep-half       the half-warp-per-row prep layout (written 2026-12-05, not yet run):
 #                   kernel_driver --prep-half edge cases, memcheck, then bench-prep with and
 #                   without --prep-half alternating
-#   cluster         the cluster-merged split partials (written 2026-12-06, not yet run):
-#                   kernel_driver --wgmma-cluster edge cases under timeout, memcheck, racecheck,
-#                   then bench (the split cases: CSA decode, HCA, dense 16k) with the
-#                   dispatched schedule (--wgmma) and --wgmma-cluster alternating
+#   cluster         split partials merged in a cluster (dispatched since 2026-12-06 where its
+#                   CTAs fit in as few waves as a plain launch's): kernel_driver --wgmma-cluster
+#                   edge cases under timeout, memcheck, racecheck, then bench of the split cases
+#                   (CSA decode, HCA, dense 16k) with --wgmma, --wgmma-combine and --wgmma-cluster
 #   ab              the attention kernels against an older kernel_driver ($OLD_DRIVER, one built
 #                   before the change): bench of $AB_CASES (a case-name filter, default all ten;
 #                   about 50 s for all) with --wgmma-lockstep and --wgmma-ws, old and new
@@ -91,7 +91,7 @@ for step in "$@"; do
       [ "$last" -ne 0 ] && echo "== cluster: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
       run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-cluster
       run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-cluster
-      for schedule in --wgmma --wgmma-cluster --wgmma --wgmma-cluster; do
+      for schedule in --wgmma --wgmma-combine --wgmma-cluster --wgmma --wgmma-combine --wgmma-cluster; do
         for c in "CSA decode" "HCA" "dense 16k"; do
           run 60 "$DRIVER" "$schedule" bench "$c"
         done

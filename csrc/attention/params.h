@@ -79,6 +79,13 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
 // validate and time both on the same shapes.
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
+// How split partials are merged, forced (schedule as dispatched): in a thread-block cluster
+// through distributed shared memory whenever 2 <= num_splits <= 8 (`_cluster`), or through
+// global memory and the combine launch (`_combine`). The dispatch picks the cluster when its
+// CTAs fit in as few waves as a plain launch's (use_cluster_merge in the .cu);
+// kernel_driver --wgmma-cluster / --wgmma-combine validate and time each.
+cudaError_t run_sparse_sink_attention_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream);
+cudaError_t run_sparse_sink_attention_wgmma_combine(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
 // Diagnostic launches for kernel_driver builds (never in the library): where the lockstep
@@ -88,10 +95,6 @@ cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& 
 enum class AttnProbe { kGatherDepth1, kGatherDepth2, kMathOnly };
 cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParams& p, AttnProbe probe,
                                                   cudaStream_t stream);
-// The wgmma kernels (schedule as dispatched) with the splits of a work item as one cluster
-// merging their partials in distributed shared memory (finish_rows_cluster; no combine
-// launch) when 2 <= num_splits <= 8, the plain dispatch otherwise. A candidate, not dispatched.
-cudaError_t run_sparse_sink_attention_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // The memory pipeline of a D-split pair of CTAs: each gathers its 512-byte half of every row
 // into 32 KB half-tiles, `depth` (1..5) of them in flight; p.num_splits as given.
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,

@@ -73,6 +73,7 @@ constexpr int kOffValid = kOffKV + 2 * kTileBytes;
 constexpr int kOffXRow = kOffValid + 2 * BK;
 constexpr int kOffXP = kOffXRow + 2 * BM * 4;
 constexpr int kSmemBytes = kOffXP + kThreads * 32;
+constexpr int kMaxClusterSplits = 8;  // splits merged in one cluster at most (the portable cluster size)
 constexpr int kNopeChunks = kAttnNopeDim / 8;  // FP8 rows: 8-dim chunks held as e4m3 (56)
 static_assert(kOffXP % 16 == 0, "swap area: uint4 stores");
 static_assert(kNopeChunks % 4 == 0 && kNopeChunks / 4 == 14, "each thread holds 14 nope + 2 RoPE chunks of its row");
@@ -443,6 +444,15 @@ __device__ __forceinline__ void stage_f32_row(uint8_t* dst, const float (&o)[32]
     *reinterpret_cast<float2*>(dst + (dim_first + 8 * n) * 4) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
 }
 
+// kCluster: the num_splits (2..8) CTAs of a work item form one thread-block cluster and merge
+// their partials through distributed shared memory (use_cluster_merge says when): each stages
+// its normalised f32 rows and their lse (in the P swap area), the cluster syncs, CTA `rank`'s
+// warps merge rows rank, rank + n, ... of the 64 over all splits (combine_row, reading the
+// other CTAs' shared memory) and store them, and the cluster syncs again so that no CTA exits
+// while its rows are still read. Otherwise split partials go to global memory (f32, 2 KB a
+// row and split) for the combine launch to read back: CSA decode at 2 splits writes 16 MB
+// and reads it again, which the cluster merge saves (-12% on the H100, docs/kernels.md).
+template <bool kCluster>
 __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
                                             const float (&m_run)[2], const float (&l_run)[2], int64_t bs, int h0,
                                             int split, int tid) {
@@ -450,6 +460,7 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
   const RowStats r = row_stats(smem, m_run, l_run, tid);
   const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
   const int dim_first = 256 * c + 2 * q4, rope_lo = D - p.rope_dim;
+  float* lse_rows = reinterpret_cast<float*>(smem + kOffXP);  // kCluster: this CTA's partial lse
   named_barrier_sync(kEpilogueBar, kThreads);  // every compute warp past its last S and P V
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -468,7 +479,31 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
       if (c == 0 && q4 == 0) p.lse[row] = r.lse[i];
     } else {
       stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], dim_first);
-      if (c == 0 && q4 == 0) p.partial_lse[int64_t(split) * rows + row] = r.lse[i];
+      if (c == 0 && q4 == 0) {
+        if constexpr (kCluster)
+          lse_rows[lr] = r.lse[i];
+        else
+          p.partial_lse[int64_t(split) * rows + row] = r.lse[i];
+      }
+    }
+  }
+  if constexpr (kCluster) {
+    if (p.num_splits > 1) {
+      cluster_sync();
+      const int n = p.num_splits, rank = int(cluster_ctarank()), warp = tid >> 5;
+      const uint32_t rows_base = smem_addr(smem), lse_base = smem_addr(lse_rows);
+      for (int lr = rank + n * warp; lr < BM; lr += n * (kThreads / 32)) {
+        const int h = h0 + lr;
+        if (h >= p.heads) continue;
+        combine_row(
+            p, bs * p.heads + h, h, bs, lane,
+            [&](int sp) { return ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)); },
+            [&](int sp, int k) {
+              return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + lane * 64 + k * 16, sp));
+            });
+      }
+      cluster_sync();
+      return;
     }
   }
   named_barrier_sync(kEpilogueBar, kThreads);
@@ -484,46 +519,6 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
           *reinterpret_cast<const uint4*>(smem + lr * stage_row + ch * 16);
   }
 }
-
-#ifdef JAX_DSPARK_ATTENTION_PROBES
-// Candidate epilogue for split lists (kernel_driver --wgmma-cluster only; written 2026-12-06,
-// not yet run): the num_splits (2..8) CTAs of a work item form one cluster and merge their
-// partials through distributed shared memory, instead of writing f32 partials to global
-// memory (2 KB a row and split) for a second launch to read back (CSA decode: 16 MB written
-// and read again at 2 splits). Each CTA stages its normalised partial rows (f32, padded as in
-// finish_rows) and their lse (in the P swap area), the cluster syncs, CTA `rank`'s warps merge
-// rows rank, rank + n, ... of the 64 over all splits (combine_row, reading the other CTAs'
-// shared memory) and store them, and the cluster syncs again so that no CTA exits while its
-// rows are still being read.
-constexpr int kMaxClusterSplits = 8;  // the portable cluster size
-__device__ __forceinline__ void finish_rows_cluster(const SparseSinkAttentionParams& p, uint8_t* smem,
-                                                    const float (&o)[32][4], const float (&m_run)[2],
-                                                    const float (&l_run)[2], int64_t bs, int h0, int tid) {
-  const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
-  const RowStats r = row_stats(smem, m_run, l_run, tid);
-  float* lse_rows = reinterpret_cast<float*>(smem + kOffXP);
-  named_barrier_sync(kEpilogueBar, kThreads);  // every warp past its last S and P V
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int lr = 16 * w + g + 8 * i;
-    stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], 256 * c + 2 * q4);
-    if (c == 0 && q4 == 0) lse_rows[lr] = r.lse[i];
-  }
-  cluster_sync();
-  const int n = p.num_splits, rank = int(cluster_ctarank()), warp = tid >> 5;
-  const uint32_t rows_base = smem_addr(smem), lse_base = smem_addr(lse_rows);
-  for (int lr = rank + n * warp; lr < BM; lr += n * (kThreads / 32)) {
-    const int h = h0 + lr;
-    if (h >= p.heads) continue;
-    combine_row(
-        p, bs * p.heads + h, h, bs, lane, [&](int sp) { return ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)); },
-        [&](int sp, int k) {
-          return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + lane * 64 + k * 16, sp));
-        });
-  }
-  cluster_sync();
-}
-#endif
 
 // This thread's share of the Q block (heads h0 .. h0 + 63 of query row bs) into `dst` in the
 // tile layout, by cp.async (the caller commits); absent heads as zeros (their rows of O are
@@ -596,13 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
-#ifdef JAX_DSPARK_ATTENTION_PROBES
-  if constexpr (kCluster) {
-    finish_rows_cluster(p, smem, o, m_run, l_run, bs, h0, tid);
-    return;
-  }
-#endif
-  finish_rows(p, smem, o, m_run, l_run, bs, h0, split, tid);
+  finish_rows<kCluster>(p, smem, o, m_run, l_run, bs, h0, split, tid);
 }
 
 
@@ -715,13 +704,15 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
   }
 }
 
-// Where the producers leave: at once, or (the cluster candidate, finish_rows_cluster) after
-// taking part in the consumers' two cluster syncs, which every thread of the cluster joins.
+// Where the producers leave: at once, or (kCluster) after taking part in the consumers' two
+// cluster syncs of finish_rows, which every thread of the cluster joins.
 template <bool kCluster>
-__device__ __forceinline__ void producers_leave() {
+__device__ __forceinline__ void producers_leave(int num_splits) {
   if constexpr (kCluster) {
-    cluster_sync();
-    cluster_sync();
+    if (num_splits > 1) {
+      cluster_sync();
+      cluster_sync();
+    }
   }
 }
 
@@ -742,7 +733,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     const uint8_t* extra = static_cast<const uint8_t*>(p.extra_rows);
     const uint8_t* q = static_cast<const uint8_t*>(p.q);
     // No tile, no Q either: nothing would wait for its copies before the epilogue stages rows over it.
-    if (ntiles == 0) return producers_leave<kCluster>();
+    if (ntiles == 0) return producers_leave<kCluster>(p.num_splits);
     {  // Q block, absent heads as zeros (their rows of O are never stored)
       const uint8_t* q_rows = q + bs * p.heads * int64_t(D * 2);  // head h of this query row at h * 1024
       const int h = item.h0 + my_row;
@@ -750,7 +741,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     }
     if constexpr (kFp8) {
       produce_fp8_tiles(p, smem, item, tid - kThreads);
-      return producers_leave<kCluster>();
+      return producers_leave<kCluster>(p.num_splits);
     }
     // Tile t into stage t % 2, with its row-validity flags; `eff` from `index_of(t)`.
     auto index_of = [&](int t) { return effective_index(p, key_begin + t * BK + my_row, key_end, bs); };
@@ -782,7 +773,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
         if (t + 3 < ntiles) eff = index_of(t + 3);
       }
     }
-    return producers_leave<kCluster>();
+    return producers_leave<kCluster>(p.num_splits);
   }
 
   setmaxnreg_inc<kConsumerRegs<kFp8>>();
@@ -796,13 +787,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     consume_stage(o, m_run, l_run, smem, q_base, stage, min(BK, key_end - (key_begin + t * BK)), sl2, tid);
     if (t + 2 < ntiles) named_barrier_arrive(kEmptyBar + stage, kWsThreads);  // its wgmmas have completed
   }
-#ifdef JAX_DSPARK_ATTENTION_PROBES
-  if constexpr (kCluster) {
-    finish_rows_cluster(p, smem, o, m_run, l_run, bs, item.h0, tid);
-    return;
-  }
-#endif
-  finish_rows(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
+  finish_rows<kCluster>(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
 }
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
@@ -906,12 +891,6 @@ cudaError_t launch_gather_probe(const SparseSinkAttentionParams& p, cudaStream_t
 }
 #endif
 
-template <bool kFp8>
-cudaError_t launch_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  return launch_attention_grid<sparse_sink_attention_wgmma_kernel<kFp8>>(p, kThreads,
-                                                                         kSmemBytes, stream);
-}
-
 // The pool the setmaxnreg split assumes is the kernel's launch allocation (kLaunchRegs a
 // thread); were ptxas ever to allocate fewer, the consumers' setmaxnreg.inc would wait
 // forever. Checked once per instantiation on the host, so that case is an error, not a hang.
@@ -922,46 +901,6 @@ cudaError_t ws_register_pool() {
   if (err != cudaSuccess) return err;
   return attr.numRegs >= kLaunchRegs ? cudaSuccess : cudaErrorInvalidConfiguration;
 }
-
-template <bool kFp8>
-cudaError_t launch_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  static const cudaError_t pool = ws_register_pool<sparse_sink_attention_wgmma_ws_kernel<kFp8>>();
-  if (pool != cudaSuccess) return pool;
-  return launch_attention_grid<sparse_sink_attention_wgmma_ws_kernel<kFp8>>(p, kWsThreads, kSmemBytes, stream);
-}
-
-#ifdef JAX_DSPARK_ATTENTION_PROBES
-// The cluster candidate's launches: the grid's splits dimension is one cluster
-// (finish_rows_cluster), for the lockstep kernel or the warp-specialised one.
-template <void (*Kernel)(SparseSinkAttentionParams)>
-cudaError_t launch_cluster(const SparseSinkAttentionParams& p, int threads, cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  const int nhb = (p.heads + BM - 1) / BM;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(nhb * p.seq, p.num_splits, p.batch);
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 1;
-  cluster.val.clusterDim.y = p.num_splits;
-  cluster.val.clusterDim.z = 1;
-  cfg.attrs = &cluster;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, Kernel, p);
-}
-
-template <bool kFp8>
-cudaError_t launch_wgmma_cluster(const SparseSinkAttentionParams& p, bool warp_specialised, cudaStream_t stream) {
-  if (!warp_specialised) return launch_cluster<sparse_sink_attention_wgmma_kernel<kFp8, false, true>>(p, kThreads, stream);
-  constexpr auto kernel = sparse_sink_attention_wgmma_ws_kernel<kFp8, true>;
-  static const cudaError_t pool = ws_register_pool<kernel>();
-  if (pool != cudaSuccess) return pool;
-  return launch_cluster<kernel>(p, kWsThreads, stream);
-}
-#endif
 
 // Which launches take the warp-specialised schedule (both schedules timed with CUDA events
 // in one run, docs/kernels.md).
@@ -986,18 +925,126 @@ bool use_warp_specialised(const SparseSinkAttentionParams& p) {
 
 enum class Schedule { kLockstep, kWarpSpecialised };
 
-cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, cudaStream_t stream) {
-  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
-  const bool fp8 = p.main_fp8 || p.extra_fp8;
-  cudaError_t err = cudaSuccess;
-  switch (schedule) {
-    case Schedule::kLockstep: err = fp8 ? launch_wgmma<true>(p, stream) : launch_wgmma<false>(p, stream); break;
-    case Schedule::kWarpSpecialised:
-      err = fp8 ? launch_wgmma_ws<true>(p, stream) : launch_wgmma_ws<false>(p, stream);
-      break;
+template <bool kFp8, Schedule kSchedule, bool kCluster>
+constexpr void (*kAttentionKernel)(SparseSinkAttentionParams) =
+    kSchedule == Schedule::kWarpSpecialised ? sparse_sink_attention_wgmma_ws_kernel<kFp8, kCluster>
+                                            : sparse_sink_attention_wgmma_kernel<kFp8, false, kCluster>;
+template <Schedule kSchedule>
+constexpr int kScheduleThreads = kSchedule == Schedule::kWarpSpecialised ? kWsThreads : kThreads;
+
+// The grid of launch_attention_grid with a work item's splits as one cluster (finish_rows<true>).
+cudaLaunchConfig_t cluster_config(const SparseSinkAttentionParams& p, int threads, cudaStream_t stream,
+                                  cudaLaunchAttribute* cluster) {
+  cudaLaunchConfig_t cfg{};
+  const int nhb = (p.heads + BM - 1) / BM;
+  cfg.gridDim = dim3(nhb * p.seq, p.num_splits, p.batch);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  *cluster = cudaLaunchAttribute{};
+  cluster->id = cudaLaunchAttributeClusterDimension;
+  cluster->val.clusterDim.x = 1;
+  cluster->val.clusterDim.y = p.num_splits;
+  cluster->val.clusterDim.z = 1;
+  cfg.attrs = cluster;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Whether a launch's split partials merge in a cluster: 2..8 splits, and the cluster launch
+// needs no more waves than the plain one. A cluster's CTAs must be resident together in one
+// GPC, so fewer clusters than the 132 / splits a plain launch would suggest fit at once (H100,
+// 4 splits: V4-Pro HCA and dense 16k, 32 clusters of 4, ran in two waves, 2x the time of the
+// plain launch's one); at 2 splits (CSA decode, 64 clusters of 2) they all fit. The counts
+// come from the occupancy API, once per device, schedule and cluster size.
+template <bool kFp8, Schedule kSchedule>
+cudaError_t use_cluster_merge(const SparseSinkAttentionParams& p, bool* use) {
+  *use = false;
+  if (p.num_splits < 2 || p.num_splits > kMaxClusterSplits) return cudaSuccess;
+  constexpr int kDevices = 64;
+  static std::atomic<int> max_clusters[kDevices][2][kMaxClusterSplits + 1] = {};  // 0: not asked yet
+  static std::atomic<int> sms[kDevices] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= kDevices) return cudaSuccess;
+  constexpr int ws = kSchedule == Schedule::kWarpSpecialised;
+  int fit = max_clusters[dev][ws][p.num_splits].load(std::memory_order_relaxed);
+  if (fit == 0) {
+    constexpr auto kernel = kAttentionKernel<kFp8, kSchedule, true>;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t cfg = cluster_config(p, kScheduleThreads<kSchedule>, nullptr, &cluster);
+    err = cudaOccupancyMaxActiveClusters(&fit, kernel, &cfg);
+    if (err != cudaSuccess) return err;
+    fit = fit > 0 ? fit : -1;  // -1: none fits
+    max_clusters[dev][ws][p.num_splits].store(fit, std::memory_order_relaxed);
   }
+  int n_sms = sms[dev].load(std::memory_order_relaxed);
+  if (n_sms == 0) {
+    err = cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return err;
+    sms[dev].store(n_sms, std::memory_order_relaxed);
+  }
+  if (fit < 0) return cudaSuccess;
+  const int64_t clusters = int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch;
+  const int64_t cluster_waves = (clusters + fit - 1) / fit;
+  const int64_t plain_waves = (clusters * p.num_splits + n_sms - 1) / n_sms;  // one CTA an SM (kSmemBytes)
+  *use = cluster_waves <= plain_waves;
+  return cudaSuccess;
+}
+
+template <bool kFp8, Schedule kSchedule, bool kCluster>
+cudaError_t launch_schedule(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  constexpr auto kernel = kAttentionKernel<kFp8, kSchedule, kCluster>;
+  if constexpr (kSchedule == Schedule::kWarpSpecialised) {
+    static const cudaError_t pool = ws_register_pool<kernel>();
+    if (pool != cudaSuccess) return pool;
+  }
+  if constexpr (!kCluster) {
+    return launch_attention_grid<kernel>(p, kScheduleThreads<kSchedule>, kSmemBytes, stream);
+  } else {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t cfg = cluster_config(p, kScheduleThreads<kSchedule>, stream, &cluster);
+    return cudaLaunchKernelEx(&cfg, kernel, p);
+  }
+}
+
+// How a launch's split partials are merged: as use_cluster_merge says, or forced
+// (kernel_driver --wgmma-cluster / --wgmma-combine; a forced cluster still needs 2..8 splits).
+enum class Merge { kAuto, kCluster, kCombine };
+
+template <bool kFp8, Schedule kSchedule>
+cudaError_t run_merge(const SparseSinkAttentionParams& p, Merge merge, cudaStream_t stream) {
+  bool cluster = false;
+  if (merge == Merge::kAuto) {
+    const cudaError_t err = use_cluster_merge<kFp8, kSchedule>(p, &cluster);
+    if (err != cudaSuccess) return err;
+  } else {
+    cluster = merge == Merge::kCluster && p.num_splits >= 2 && p.num_splits <= kMaxClusterSplits;
+  }
+  if (cluster) return launch_schedule<kFp8, kSchedule, true>(p, stream);
+  const cudaError_t err = launch_schedule<kFp8, kSchedule, false>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return launch_sparse_sink_attention_combine(p, stream);
+}
+
+cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, cudaStream_t stream,
+                         Merge merge = Merge::kAuto) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  const bool fp8 = p.main_fp8 || p.extra_fp8;
+  if (schedule == Schedule::kWarpSpecialised)
+    return fp8 ? run_merge<true, Schedule::kWarpSpecialised>(p, merge, stream)
+               : run_merge<false, Schedule::kWarpSpecialised>(p, merge, stream);
+  return fp8 ? run_merge<true, Schedule::kLockstep>(p, merge, stream)
+             : run_merge<false, Schedule::kLockstep>(p, merge, stream);
+}
+
+Schedule dispatched_schedule(const SparseSinkAttentionParams& p) {
+  return use_warp_specialised(p) ? Schedule::kWarpSpecialised : Schedule::kLockstep;
 }
 
 }  // namespace
@@ -1026,12 +1073,6 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 #endif
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
-cudaError_t run_sparse_sink_attention_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  if (p.num_splits < 2 || p.num_splits > kMaxClusterSplits) return run_sparse_sink_attention_wgmma(p, stream);
-  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
-  const bool ws = use_warp_specialised(p);
-  return (p.main_fp8 || p.extra_fp8) ? launch_wgmma_cluster<true>(p, ws, stream) : launch_wgmma_cluster<false>(p, ws, stream);
-}
 
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
                                                     cudaStream_t stream) {
@@ -1049,7 +1090,15 @@ cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionPar
 #endif
 
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  return run_schedule(p, use_warp_specialised(p) ? Schedule::kWarpSpecialised : Schedule::kLockstep, stream);
+  return run_schedule(p, dispatched_schedule(p), stream);
+}
+
+cudaError_t run_sparse_sink_attention_wgmma_cluster(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return run_schedule(p, dispatched_schedule(p), stream, Merge::kCluster);
+}
+
+cudaError_t run_sparse_sink_attention_wgmma_combine(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return run_schedule(p, dispatched_schedule(p), stream, Merge::kCombine);
 }
 
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream) {

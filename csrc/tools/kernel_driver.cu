@@ -4,8 +4,9 @@
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
 //   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
-//   kernel_driver ... --wgmma-cluster  the dispatched wgmma schedule merging split partials inside
-//                            a cluster (a candidate; edge cases and bench)
+//   kernel_driver ... --wgmma-cluster / --wgmma-combine  the dispatched wgmma schedule with split
+//                            partials merged in a cluster (whenever 2..8 splits) / by the combine
+//                            launch; --wgmma lets use_cluster_merge choose
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
 //                            rotating pools larger than L2; also the target for ncu
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
@@ -564,6 +565,8 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
     } else if (std::strcmp(argv[i], "--wgmma-cluster") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_cluster;
+    } else if (std::strcmp(argv[i], "--wgmma-combine") == 0) {
+      run_attn = jds::run_sparse_sink_attention_wgmma_combine;
     } else if (std::strcmp(argv[i], "--prep-half") == 0) {
       prep_half = 1;
     } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {
@@ -586,6 +589,7 @@ int main(int argc, char** argv) {
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_cluster ? "wgmma, split partials merged in a cluster"
+                                         : run_attn == jds::run_sparse_sink_attention_wgmma_combine ? "wgmma, split partials through the combine launch"
                                          : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
                                          : run_attn == probe_gather2 ? "probe: lockstep gather alone, 2 tiles in flight"
                                          : run_attn == probe_math    ? "probe: lockstep compute alone"
