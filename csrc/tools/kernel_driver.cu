@@ -8,7 +8,8 @@
 //                            partials merged in a cluster (whenever 2..8 splits) / by the combine
 //                            launch; --wgmma lets use_cluster_merge choose
 //   kernel_driver bench      CUDA-event timing of the benchmark cases (pure device time) over
-//                            rotating pools larger than L2; also the target for ncu
+//                            rotating pools larger than L2; also the target for ncu; with --rope
+//                            the cases take the inverse-RoPE epilogue (as the V4 models call it)
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
 //   kernel_driver ... --prep-half  prep rows of <= 1 KB half a warp each (not dispatched by the library)
 //   kernel_driver bench-shape B S H K [fp8]  the same timing for one shape (K list rows, one
@@ -449,8 +450,12 @@ static double event_us(int iters, Launch&& launch) {
 }
 
 // Timing of one case: JSON line with the event time, split count and rates.
-static void bench_case(const AttnCase& c, int sms) {
+static bool bench_rope = false;  // --rope: the bench cases with the inverse-RoPE epilogue (as the V4 models call it)
+
+static void bench_case(const AttnCase& case_in, int sms) {
   const int kSets = 4;  // rotate pools: 4 x pool > L2 for every benchmark case
+  AttnCase c = case_in;
+  c.rope = c.rope || bench_rope;
   std::vector<AttnData> sets;
   for (int i = 0; i < kSets; ++i) sets.push_back(make_attn(c, sms, true, true));
   for (int i = 0; i < 3; ++i) CK(run_attn(sets[i % kSets].p, 0));
@@ -459,9 +464,9 @@ static void bench_case(const AttnCase& c, int sms) {
   const double row_main = c.fp8_main ? 584.0 : 1024.0, row_extra = c.fp8_extra ? 584.0 : 1024.0;
   const double bytes = double(c.B) * (c.K * row_main + c.K2 * row_extra);
   const double flops = 4.0 * c.B * c.S * c.H * (c.K + c.K2) * 512.0;
-  std::printf("{\"name\": \"%s\", \"B\": %d, \"S\": %d, \"H\": %d, \"K\": %d, \"splits\": %d, "
+  std::printf("{\"name\": \"%s%s\", \"B\": %d, \"S\": %d, \"H\": %d, \"K\": %d, \"splits\": %d, "
               "\"tiles_per_split\": %d, \"kernel_event_us\": %.2f, \"TBps\": %.3f, \"TFLOPs\": %.1f}\n",
-              c.name, c.B, c.S, c.H, c.K + c.K2, sets[0].p.num_splits,
+              c.name, c.rope ? " rope" : "", c.B, c.S, c.H, c.K + c.K2, sets[0].p.num_splits,
               jds::attn_tiles_per_split(c.K + c.K2, sets[0].p.num_splits), us, bytes / us / 1e6, flops / us / 1e6);
   for (auto& s : sets) free_attn(s);
 }
@@ -567,6 +572,8 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_cluster;
     } else if (std::strcmp(argv[i], "--wgmma-combine") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_combine;
+    } else if (std::strcmp(argv[i], "--rope") == 0) {
+      bench_rope = true;
     } else if (std::strcmp(argv[i], "--prep-half") == 0) {
       prep_half = 1;
     } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {

@@ -4,7 +4,9 @@ Each case gives every request K distinct rows of its own (a random permutation o
 private region of one big pool, so the gather order is random and nothing repeats across
 requests); the S query rows of a request share the list, as a DSpark block does. DSpark
 cases put the last 5 rows in the extra pool (the draft block) and the rest in the main pool
-(the context ring). Bytes counted = distinct rows x 1024 B; FLOPs = 4 * B*S*H*K*512.
+(the context ring). Every call takes the sink and the inverse-RoPE epilogue on the last 64
+output dims, as `models/deepseek_v4_attention.py` calls the op (since 2026-12-06; earlier
+runs had no inverse RoPE). Bytes counted = distinct rows x 1024 B; FLOPs = 4 * B*S*H*K*512.
 
 Every case runs twice, `kv_dtype` "bf16" (1024-byte rows) and "fp8" (both pools in the
 `ops.kv_fp8.Fp8Rows` form: 448 e4m3 + 64 bf16 + 8 scale bytes = 584 bytes per row, the
@@ -27,6 +29,7 @@ from jax_dspark.bench import report, timing
 from jax_dspark.ops import _kernels, kv_fp8
 
 D = 512
+ROPE_DIM = 64  # V4's RoPE dims, rotated back in the epilogue (inverse_rope)
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ ROW_BYTES = {"bf16": D * 2, "fp8": kv_fp8.ROW_BYTES}
 
 
 def make_inputs(case: Case, sets: int, seed: int = 0, kv_dtype: str = "bf16"):
-    """`sets` input tuples (q, main_rows, main_idx, extra_rows, extra_idx, sink) over shared pools
-    (`kv_dtype` "fp8": both pools quantised once into `kv_fp8.Fp8Rows`)."""
+    """`sets` input tuples (q, main_rows, main_idx, extra_rows, extra_idx, sink, inverse_rope) over
+    shared pools (`kv_dtype` "fp8": both pools quantised once into `kv_fp8.Fp8Rows`);
+    inverse_rope `f32[B, S, 32, 2]`: (cos, sin) of random angles per query row."""
     rng = np.random.default_rng(seed)
     k_main = case.K - case.extra
     key = jax.random.key(seed)
@@ -76,15 +80,18 @@ def make_inputs(case: Case, sets: int, seed: int = 0, kv_dtype: str = "bf16"):
         if case.extra:
             e = np.stack([b * case.extra + rng.permutation(case.extra) for b in range(case.B)]).astype(np.int32)
             extra_idx = jnp.asarray(np.broadcast_to(e[:, None], (case.B, case.S, case.extra)).copy())
-        out.append((q, main_rows, main_idx, extra_rows if case.extra else None, extra_idx, sink))
+        angle = rng.uniform(0.0, 2 * np.pi, (case.B, case.S, ROPE_DIM // 2))
+        freqs = jnp.asarray(np.stack([np.cos(angle), np.sin(angle)], axis=-1), jnp.float32)
+        out.append((q, main_rows, main_idx, extra_rows if case.extra else None, extra_idx, sink, freqs))
     return out
 
 
 def _op(mode: str):
-    def f(q, main_rows, main_idx, extra_rows, extra_idx, sink):
+    def f(q, main_rows, main_idx, extra_rows, extra_idx, sink, freqs):
         with ops.force(mode):
             return ops.sparse_sink_attention(
-                q, main_rows, main_idx, extra_rows=extra_rows, extra_idx=extra_idx, sink=sink, scale=D**-0.5
+                q, main_rows, main_idx, extra_rows=extra_rows, extra_idx=extra_idx, sink=sink, scale=D**-0.5,
+                inverse_rope=freqs,
             )
 
     return f
@@ -154,6 +161,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
     result = dict(
         gpu=timing.gpu_name(), commit=report.commit_id(commit), date=report.today(),
         copy_TBps=round(copy, 3), gemm_bf16_TFLOPs=round(gemm, 1), launch=timing.launch_mode(),
+        inverse_rope_dims=ROPE_DIM,
         targets=dict(
             memory_bound_fraction_of_copy=TARGET_MEMORY_FRACTION,
             compute_bound_fraction_of_gemm=TARGET_COMPUTE_FRACTION,
@@ -190,6 +198,8 @@ def write(result: dict, json_path: str, extra_notes: tuple[str, ...] = ()) -> st
         "default: the kernel `ops.sparse_sink_attention` calls for this pool kind unless told otherwise "
         "(`JAX_DSPARK_ATTENTION_KERNEL`; `ops._kernels.AUTO_ATTENTION_KERNEL`).",
         timing.launch_note(result.get("launch", "streams")),
+        f"Every call with the sink and the inverse RoPE of the last {result.get('inverse_rope_dims', 0)} output dims "
+        "(as the V4 models call it; 0: a run from before 2026-12-06, without).",
         "busy = GPU busy time per call from a profiler trace of the same executable (`timing.device_busy_us`: "
         "kernels and copies on the device's streams, launch gaps excluded); the targets judged on it as well.",
         *extra_notes,
