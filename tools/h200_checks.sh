@@ -24,7 +24,8 @@
 #   ab              the attention kernels against an older kernel_driver ($OLD_DRIVER, one built
 #                   before the change): bench of $AB_CASES (a case-name filter, default all ten;
 #                   about 50 s for all) with --wgmma-lockstep and --wgmma-ws, old and new
-#                   alternating twice (CUDA events, same run)
+#                   alternating twice (CUDA events, same run); $AB_FLAGS go to both (e.g.
+#                   --rope: the inverse-RoPE epilogue; the old driver must know the flag)
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
@@ -99,8 +100,8 @@ for step in "$@"; do
     ab)
       for schedule in --wgmma-lockstep --wgmma-ws; do
         for i in 1 2; do
-          run 150 "${OLD_DRIVER:?}" "$schedule" bench ${AB_CASES:+"$AB_CASES"}
-          run 150 "$DRIVER" "$schedule" bench ${AB_CASES:+"$AB_CASES"}
+          run 150 "${OLD_DRIVER:?}" "$schedule" ${AB_FLAGS:-} bench ${AB_CASES:+"$AB_CASES"}
+          run 150 "$DRIVER" "$schedule" ${AB_FLAGS:-} bench ${AB_CASES:+"$AB_CASES"}
         done
       done ;;
     probes)
