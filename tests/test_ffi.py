@@ -73,6 +73,27 @@ def test_attention_bench_row_names_its_kernel_and_leaves_unmeasured_fields_empty
     assert mma["default"] is False and mma["speedup_vs_xla"] == 2.0
 
 
+def test_attention_bench_calls_rotate_back_the_rope_dims_as_the_models_do():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_dspark import ops
+    from jax_dspark.bench import attention as bench_attention
+
+    case = bench_attention.Case("tiny", B=2, S=2, H=64, K=70, extra=5)
+    q, main_rows, main_idx, extra_rows, extra_idx, sink, freqs = bench_attention.make_inputs(case, 1)[0]
+    assert freqs.shape == (2, 2, bench_attention.ROPE_DIM // 2, 2) and freqs.dtype == jnp.float32
+    np.testing.assert_allclose(np.hypot(freqs[..., 0], freqs[..., 1]), 1.0, rtol=1e-6)  # (cos, sin) pairs
+    out = bench_attention._op("reference")(q, main_rows, main_idx, extra_rows, extra_idx, sink, freqs)
+    plain = ops.sparse_sink_attention_reference(
+        q, main_rows, main_idx, extra_rows=extra_rows, extra_idx=extra_idx, sink=sink, scale=bench_attention.D**-0.5
+    )
+    lo = bench_attention.D - bench_attention.ROPE_DIM
+    out, plain = np.asarray(out, np.float32), np.asarray(plain, np.float32)
+    np.testing.assert_array_equal(out[..., :lo], plain[..., :lo])  # nope dims untouched
+    assert np.abs(out[..., lo:] - plain[..., lo:]).max() > 1e-2  # RoPE dims rotated back
+
+
 def test_auto_attention_kernel_picks_wgmma_for_both_pool_kinds_when_registered(monkeypatch):
     monkeypatch.delenv(_kernels.ATTENTION_KERNEL_ENV, raising=False)
     report = {name: _ffi.REGISTERED for name, _ in _kernels.ATTENTION_KERNELS.values()}
