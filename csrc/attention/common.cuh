@@ -146,15 +146,14 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two, float s) {
   return pack_bf16x2(f.x * s, f.y * s);
 }
 
-// Launches an attention kernel over its grid: (64-head blocks x query rows, splits, batch).
-// Raising the dynamic shared-memory limit is a per-function host setting, not stream work,
+// Raises an attention kernel's dynamic shared-memory limit (launch_attention_grid, the cluster
+// launches). It is a per-function host setting, not stream work,
 // so it is safe while XLA captures the stream into a command buffer; done once per device
 // (per instantiation: `configured` is a static of each Kernel). Atomic flags: XLA drives
 // each device from its own thread, and two threads may both set the (idempotent) attribute
 // the first time.
 template <void (*Kernel)(SparseSinkAttentionParams)>
-cudaError_t launch_attention_grid(const SparseSinkAttentionParams& p, int threads, int smem_bytes,
-                                  cudaStream_t stream) {
+cudaError_t configure_attention_kernel(int smem_bytes) {
   static std::atomic<bool> configured[64] = {};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -164,6 +163,15 @@ cudaError_t launch_attention_grid(const SparseSinkAttentionParams& p, int thread
     if (err != cudaSuccess) return err;
     if (dev >= 0 && dev < 64) configured[dev].store(true, std::memory_order_relaxed);
   }
+  return cudaSuccess;
+}
+
+// Launches an attention kernel over its grid: (64-head blocks x query rows, splits, batch).
+template <void (*Kernel)(SparseSinkAttentionParams)>
+cudaError_t launch_attention_grid(const SparseSinkAttentionParams& p, int threads, int smem_bytes,
+                                  cudaStream_t stream) {
+  const cudaError_t err = configure_attention_kernel<Kernel>(smem_bytes);
+  if (err != cudaSuccess) return err;
   const int nhb = (p.heads + kAttnHeadsPerCta - 1) / kAttnHeadsPerCta;
   const dim3 grid(nhb * p.seq, p.num_splits, p.batch);
   Kernel<<<grid, threads, smem_bytes, stream>>>(p);

@@ -972,7 +972,7 @@ cudaError_t use_cluster_merge(const SparseSinkAttentionParams& p, bool* use) {
   int fit = max_clusters[dev][ws][p.num_splits].load(std::memory_order_relaxed);
   if (fit == 0) {
     constexpr auto kernel = kAttentionKernel<kFp8, kSchedule, true>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    err = configure_attention_kernel<kernel>(kSmemBytes);
     if (err != cudaSuccess) return err;
     cudaLaunchAttribute cluster;
     const cudaLaunchConfig_t cfg = cluster_config(p, kScheduleThreads<kSchedule>, nullptr, &cluster);
@@ -1005,7 +1005,7 @@ cudaError_t launch_schedule(const SparseSinkAttentionParams& p, cudaStream_t str
   if constexpr (!kCluster) {
     return launch_attention_grid<kernel>(p, kScheduleThreads<kSchedule>, kSmemBytes, stream);
   } else {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    const cudaError_t err = configure_attention_kernel<kernel>(kSmemBytes);
     if (err != cudaSuccess) return err;
     cudaLaunchAttribute cluster;
     const cudaLaunchConfig_t cfg = cluster_config(p, kScheduleThreads<kSchedule>, stream, &cluster);
