@@ -88,8 +88,8 @@ __device__ __forceinline__ uint32_t output_pair(const SparseSinkAttentionParams&
 // lane l holds dims 16 l .. 16 l + 15. `split_lse(sp)`: split sp's lse (natural log, sink
 // excluded, -inf when it saw no valid row); `split_chunk(sp, k)`: float4 k (0..3) of the
 // lane's 16 dims of split sp's normalised partial O / l. Where the partials live is the
-// caller's: global memory for the combine kernel, a cluster's shared memory for the cluster
-// epilogue (kernel_driver --wgmma-cluster).
+// caller's: global memory for the combine kernel, the cluster's shared memory for the wgmma
+// kernels' cluster merge (finish_rows<true>).
 template <class SplitLse, class SplitChunk>
 __device__ __forceinline__ void combine_row(const SparseSinkAttentionParams& p, int64_t row, int h, int64_t bs,
                                             int lane, SplitLse&& split_lse, SplitChunk&& split_chunk) {

@@ -11,7 +11,7 @@
 //                            rotating pools larger than L2; also the target for ncu; with --rope
 //                            the cases take the inverse-RoPE epilogue (as the V4 models call it)
 //   kernel_driver bench-prep  the same for the prep kernel, beside a device copy of its bytes
-//   kernel_driver ... --prep-half  prep rows of <= 1 KB half a warp each (not dispatched by the library)
+//   kernel_driver ... --prep-half  prep rows of <= 1 KB half a warp each (the layout the library dispatches)
 //   kernel_driver bench-shape B S H K [fp8]  the same timing for one shape (K list rows, one
 //                            pool): sweeps such as the warp-specialised schedule's threshold
 //   kernel_driver ... --probe-gather1 / --probe-gather2 / --probe-math  time a diagnostic
@@ -54,7 +54,7 @@ static int choose_splits(int b, int s, int h, int k_total, int sms);
 // a work item, so the split count is chosen as for twice the query rows.
 static int half_depth = 0, half_sms = 132;
 // --prep-half: prep rows of <= 1 KB half a warp each where the layout allows
-// (RmsNormRopeParams::half_warp_rows), the layout the library does not dispatch yet.
+// (RmsNormRopeParams::half_warp_rows), the layout the library dispatches since a3f6df1.
 static int prep_half = 0;
 static cudaError_t probe_half(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
   jds::SparseSinkAttentionParams q = p;
