@@ -422,8 +422,9 @@ __device__ __forceinline__ RowStats row_stats(uint8_t* smem, const float (&m_run
 
 // Epilogue of the two compute warpgroups (each holds its half of D of every row; warpgroup 0
 // stores the lse). The rows go through shared memory (Q's region and both tile stages, free
-// once every compute warp is past its last P V) and out in 16-byte stores, a warp writing 512
-// contiguous bytes of one row. Storing straight from the accumulator layout took 64 four-byte
+// once every compute warp is past its last P V) and out: whole bf16 rows by one bulk copy a
+// row, split f32 partials in 16-byte stores, a warp writing 512 contiguous bytes of one row
+// (or merged in the cluster). Storing straight from the accumulator layout took 64 four-byte
 // stores a thread, each instruction touching 8 rows 1 KB apart: the short launches were bound
 // by those (ncu of the DSpark block: LG throttle); staged, the DSpark block took 50.2 instead
 // of 56.3 us on the H200 (docs/kernels.md, "Staged output stores"). Staged rows are padded
@@ -433,7 +434,7 @@ __device__ __forceinline__ RowStats row_stats(uint8_t* smem, const float (&m_run
 constexpr int kStageRowBf16 = D * 2 + 16;
 constexpr int kStageRowF32 = D * 4 + 32;
 constexpr int kEpilogueBar = 9;  // named barrier of the compute threads; 1..8 are the swap, full and empty ones
-static_assert(D * 2 / 16 == 64 && D * 4 / 16 == 128, "finish_rows's chunk shifts");
+static_assert(D * 4 == 1 << 11, "finish_rows's f32 row shift");
 static_assert(BM * kStageRowF32 <= kOffValid, "staged f32 rows fit Q's region and both tile stages");
 
 // Row i (0 or 1) of this thread's accumulator rows, normalised by `inv`, into a staged f32
@@ -462,61 +463,100 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
   const int dim_first = 256 * c + 2 * q4, rope_lo = D - p.rope_dim;
   float* lse_rows = reinterpret_cast<float*>(smem + kOffXP);  // kCluster: this CTA's partial lse
   named_barrier_sync(kEpilogueBar, kThreads);  // every compute warp past its last S and P V
+  if (!kCluster && p.num_splits == 1) {
+    // Whole rows: bf16 (sink applied, RoPE dims rotated back when asked) into the staged rows,
+    // both of the thread's rows in one pass over its 32 dim pairs, the RoPE test hoisted out of
+    // the calls without inverse RoPE. With a test and a branch in each of the 64 pair stores
+    // this straight-line code (run once a CTA) was 2,100 instructions, and the short launches
+    // stalled fetching it (ncu, DSpark block: "no instruction" on ~10% of the samples).
+    const int lr0 = 16 * w + g;  // the thread's rows lr0 and lr0 + 8
+    float f[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int h = h0 + lr0 + 8 * i;
+      f[i] = h < p.heads ? r.inv[i] * sink_factor(p.sink, h, r.lse[i]) : 0.f;
+    }
+    uint8_t* dst = smem + lr0 * kStageRowBf16;
+    if (p.inv_rope == nullptr) {
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(o[n][0] * f[0], o[n][1] * f[0]);
+        *reinterpret_cast<uint32_t*>(dst + 8 * kStageRowBf16 + dim * 2) = pack_bf16x2(o[n][2] * f[1], o[n][3] * f[1]);
+      }
+    } else {  // one (cos, sin) load a pair for both rows: they belong to the same query row bs
+      const float2* cs_row = reinterpret_cast<const float2*>(p.inv_rope) + bs * (p.rope_dim / 2);
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int dim = dim_first + 8 * n;
+        float a0 = o[n][0] * f[0], a1 = o[n][1] * f[0], b0 = o[n][2] * f[1], b1 = o[n][3] * f[1];
+        if (dim >= rope_lo) {
+          const float2 cs = cs_row[(dim - rope_lo) / 2];
+          inverse_rope_pair(a0, a1, cs);
+          inverse_rope_pair(b0, b1, cs);
+        }
+        *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(a0, a1);
+        *reinterpret_cast<uint32_t*>(dst + 8 * kStageRowBf16 + dim * 2) = pack_bf16x2(b0, b1);
+      }
+    }
+    if (c == 0 && q4 == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int h = h0 + lr0 + 8 * i;
+        if (h < p.heads) p.lse[bs * p.heads + h] = r.lse[i];
+      }
+    }
+    // Out: one bulk copy a row (1 KB), issued by the first two warps, a lane a row. Each
+    // issuing lane waits only until its row has been read out of shared memory (the CTA may
+    // exit then); the other warps leave at once, instead of 16 stores a thread and their drain.
+    fence_proxy_async_smem();  // the staged rows, before the bulk copies read them
+    named_barrier_sync(kEpilogueBar, kThreads);
+    if (tid < BM && h0 + tid < p.heads) {
+      bulk_copy_s2g(static_cast<uint8_t*>(p.out) + (bs * p.heads + h0 + tid) * (D * 2), smem + tid * kStageRowBf16,
+                    D * 2);
+      bulk_commit_and_wait_read();
+    }
+    return;
+  }
+  // Split partials: normalised f32 rows (the combine applies the sink and inverse RoPE).
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int lr = 16 * w + g + 8 * i, h = h0 + lr;
     if (h >= p.heads) continue;
-    const int64_t row = bs * p.heads + h;
-    if (p.num_splits == 1) {
-      const float f = r.inv[i] * sink_factor(p.sink, h, r.lse[i]);
-      uint8_t* dst = smem + lr * kStageRowBf16;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        const int dim = dim_first + 8 * n;
-        *reinterpret_cast<uint32_t*>(dst + dim * 2) =
-            output_pair(p, o[n][2 * i] * f, o[n][2 * i + 1] * f, bs, dim, rope_lo);
-      }
-      if (c == 0 && q4 == 0) p.lse[row] = r.lse[i];
-    } else {
-      stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], dim_first);
-      if (c == 0 && q4 == 0) {
-        if constexpr (kCluster)
-          lse_rows[lr] = r.lse[i];
-        else
-          p.partial_lse[int64_t(split) * rows + row] = r.lse[i];
-      }
+    stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], dim_first);
+    if (c == 0 && q4 == 0) {
+      if constexpr (kCluster)
+        lse_rows[lr] = r.lse[i];
+      else
+        p.partial_lse[int64_t(split) * rows + bs * p.heads + h] = r.lse[i];
     }
   }
-  if constexpr (kCluster) {
-    if (p.num_splits > 1) {
-      cluster_sync();
-      const int n = p.num_splits, rank = int(cluster_ctarank()), warp = tid >> 5;
-      const uint32_t rows_base = smem_addr(smem), lse_base = smem_addr(lse_rows);
-      for (int lr = rank + n * warp; lr < BM; lr += n * (kThreads / 32)) {
-        const int h = h0 + lr;
-        if (h >= p.heads) continue;
-        combine_row(
-            p, bs * p.heads + h, h, bs, lane,
-            [&](int sp) { return ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)); },
-            [&](int sp, int k) {
-              return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + lane * 64 + k * 16, sp));
-            });
-      }
-      cluster_sync();
-      return;
+  if constexpr (kCluster) {  // launched with 2..kMaxClusterSplits splits only (launch_attention)
+    cluster_sync();
+    const int n = p.num_splits, rank = int(cluster_ctarank()), warp = tid >> 5;
+    const uint32_t rows_base = smem_addr(smem), lse_base = smem_addr(lse_rows);
+    for (int lr = rank + n * warp; lr < BM; lr += n * (kThreads / 32)) {
+      const int h = h0 + lr;
+      if (h >= p.heads) continue;
+      combine_row(
+          p, bs * p.heads + h, h, bs, lane, [&](int sp) { return ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)); },
+          [&](int sp, int k) {
+            return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + lane * 64 + k * 16, sp));
+          });
     }
+    cluster_sync();
+    return;
   }
+  // Out: 16-byte chunks of the staged f32 rows, consecutive threads along a row. (One bulk
+  // copy a row, as for whole rows, made dense 16k 28% slower on the H100: 64 issuing lanes
+  // for 128 KB a CTA against 256 threads' stores.)
   named_barrier_sync(kEpilogueBar, kThreads);
-  // Out: 16-byte chunks of the staged rows, consecutive threads along a row.
-  const bool whole = p.num_splits == 1;
-  const int stage_row = whole ? kStageRowBf16 : kStageRowF32, chunk_shift = whole ? 6 : 7;  // D * 2 or 4 / 16
-  uint8_t* out = whole ? static_cast<uint8_t*>(p.out)
-                       : reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
-  for (int k = tid; k < (BM << chunk_shift); k += kThreads) {
-    const int lr = k >> chunk_shift, ch = k & ((1 << chunk_shift) - 1), h = h0 + lr;
+  uint8_t* out = reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
+  for (int k = tid; k < (BM << 7); k += kThreads) {
+    const int lr = k >> 7, ch = k & 127, h = h0 + lr;
     if (h < p.heads)
-      *reinterpret_cast<uint4*>(out + ((bs * p.heads + h) << (chunk_shift + 4)) + ch * 16) =
-          *reinterpret_cast<const uint4*>(smem + lr * stage_row + ch * 16);
+      *reinterpret_cast<uint4*>(out + ((bs * p.heads + h) << 11) + ch * 16) =
+          *reinterpret_cast<const uint4*>(smem + lr * kStageRowF32 + ch * 16);
   }
 }
 

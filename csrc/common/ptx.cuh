@@ -94,6 +94,22 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       : "memory");
 }
 
+// ---- bulk copy shared -> global (bulk async-group completion) ---------------------------
+// `bytes` a multiple of 16, both addresses 16-byte aligned. The source must have been written
+// before a fence_proxy_async_smem (and, if other threads wrote it, a barrier after theirs).
+__device__ __forceinline__ void bulk_copy_s2g(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Closes this thread's bulk copies issued so far into one group, then waits until every
+// group of this thread has finished READING shared memory (not until the global writes are
+// visible): the source may be reused or the CTA may exit after it.
+__device__ __forceinline__ void bulk_commit_and_wait_read() {
+  asm volatile("cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
 // ---- named barriers (a subset of the CTA's warps) --------------------------------------
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
