@@ -98,6 +98,46 @@ static std::vector<bf16> randn_bf16(size_t n) {
   return v;
 }
 
+// Benchmark pools generated on the device (timing only, never checked against a reference):
+// on the host, randn_bf16 took about 10 s a dense-16k set (268 M values) and the four rotating
+// sets of a bench case most of a bench call's device time. Values: splitmix64 of (seed, index).
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+enum class Fill { kRandnBf16, kFp8Bytes, kScaleBytes };
+
+// kRandnBf16: bf16, sum of four 16-bit uniforms scaled to unit variance (as randn_bf16);
+// kFp8Bytes: e4m3 bytes with bit 3 cleared (never the NaN codes S.1111.111), as random_fp8_pool;
+// kScaleBytes: random_fp8_pool's scale bytes (120..127 for the 7 used of every 8, 127 else).
+__global__ void fill_kernel(uint8_t* out, size_t n, uint64_t seed, Fill kind) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
+    if (kind == Fill::kRandnBf16) {
+      const float acc = float((h & 0xFFFF) + ((h >> 16) & 0xFFFF) + ((h >> 32) & 0xFFFF) + (h >> 48)) * (1.f / 65536.f);
+      reinterpret_cast<bf16*>(out)[i] = __float2bfloat16((acc - 2.f) * 1.7320508f);
+    } else if (kind == Fill::kFp8Bytes) {
+      out[i] = uint8_t(h >> 56) & 0xF7;
+    } else {
+      out[i] = i % jds::kAttnScaleBytes < 7 ? uint8_t(120 + (uint64_t(i) * 2654435761u >> 28) % 8) : uint8_t(127);
+    }
+  }
+}
+
+// n elements (bf16 values or bytes, by `kind`) in a fresh device buffer; null for n = 0.
+static void* device_fill(size_t n, Fill kind) {
+  if (n == 0) return nullptr;
+  void* d = nullptr;
+  CK(cudaMalloc(&d, n * (kind == Fill::kRandnBf16 ? 2 : 1)));
+  const uint64_t seed = (uint64_t(rng()) << 32) ^ rng();
+  fill_kernel<<<1024, 256>>>(static_cast<uint8_t*>(d), n, seed, kind);
+  CK(cudaGetLastError());
+  return d;
+}
+
 static int choose_splits(int b, int s, int h, int k_total, int sms) {  // = ops/_kernels.choose_splits
   const int tiles = (k_total + 63) / 64;
   if (tiles <= 1) return 1;
@@ -175,29 +215,16 @@ static Fp8Pool quantize_pool(std::vector<bf16>& rows, int n) {
   return f;
 }
 
-// Random FP8 pool bytes for timing only (host quantisation of the benchmark pools is too slow):
-// e4m3 bytes without the NaN codes, scale bytes around 2^0, bf16 RoPE dims.
-static Fp8Pool random_fp8_pool(int n) {
-  Fp8Pool f;
-  f.nope.resize(size_t(n) * jds::kAttnNopeDim);
-  f.scale.assign(size_t(n) * jds::kAttnScaleBytes, 127);
-  uint64_t x = 0x2545F4914F6CDD1Dull ^ rng();
-  for (auto& b : f.nope) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    b = uint8_t(x >> 56) & 0xF7;  // clears bit 3: never S.1111.111 (NaN)
-  }
-  for (size_t i = 0; i < f.scale.size(); ++i)
-    if (i % jds::kAttnScaleBytes < 7) f.scale[i] = uint8_t(120 + (i * 2654435761u >> 28) % 8);
-  f.rope = randn_bf16(size_t(n) * jds::kAttnRopeDim);
-  return f;
-}
-
-static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists, bool random_fp8 = false) {
+// bench_data: q and both pools random on the device, no host copies (timing only: the CPU
+// reference cannot run on them); FP8 pools then hold random e4m3 bytes instead of quantised rows.
+static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists, bool bench_data = false) {
   AttnData a;
   const int D = jds::kAttnHeadDim;
-  a.q = randn_bf16(size_t(c.B) * c.S * c.H * D);
-  a.rows = randn_bf16(size_t(c.n_main) * D);
-  a.rows2 = randn_bf16(size_t(c.n_extra) * D);
+  if (!bench_data) {
+    a.q = randn_bf16(size_t(c.B) * c.S * c.H * D);
+    a.rows = randn_bf16(size_t(c.n_main) * D);
+    a.rows2 = randn_bf16(size_t(c.n_extra) * D);
+  }
   std::uniform_real_distribution<float> u;
   auto fill = [&](std::vector<int>& idx, int k, int n) {
     idx.resize(size_t(c.B) * c.S * k);
@@ -232,17 +259,25 @@ static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists, bool ra
   p.batch = c.B, p.seq = c.S, p.heads = c.H, p.n_main = c.n_main, p.n_extra = c.n_extra;
   p.k_main = c.K, p.k_extra = c.K2, p.rope_dim = c.rope ? 64 : 0, p.scale = 1.f / std::sqrt(512.f);
   p.num_splits = choose_splits(c.B, c.S, c.H, c.K + c.K2, sms);
-  p.q = upload(a.q), p.main_rows = upload(a.rows), p.extra_rows = upload(a.rows2);
-  if (c.fp8_main) {
-    CK(cudaFree(const_cast<void*>(p.main_rows)));
-    Fp8Pool f = random_fp8 ? random_fp8_pool(c.n_main) : quantize_pool(a.rows, c.n_main);
-    p.main_rows = upload(f.nope), p.main_rope = upload(f.rope), p.main_scale = upload(f.scale), p.main_fp8 = 1;
-  }
-  if (c.fp8_extra) {
-    CK(cudaFree(const_cast<void*>(p.extra_rows)));
-    Fp8Pool f = random_fp8 ? random_fp8_pool(c.n_extra) : quantize_pool(a.rows2, c.n_extra);
-    p.extra_rows = upload(f.nope), p.extra_rope = upload(f.rope), p.extra_scale = upload(f.scale), p.extra_fp8 = 1;
-  }
+  auto pool = [&](std::vector<bf16>& rows, int n, bool fp8, const void*& data, const void*& rope, const uint8_t*& scale,
+                  int& is_fp8) {
+    is_fp8 = fp8;
+    if (bench_data && fp8) {
+      data = device_fill(size_t(n) * jds::kAttnNopeDim, Fill::kFp8Bytes);
+      rope = device_fill(size_t(n) * jds::kAttnRopeDim, Fill::kRandnBf16);
+      scale = static_cast<const uint8_t*>(device_fill(size_t(n) * jds::kAttnScaleBytes, Fill::kScaleBytes));
+    } else if (bench_data) {
+      data = device_fill(size_t(n) * D, Fill::kRandnBf16);
+    } else if (fp8) {
+      Fp8Pool f = quantize_pool(rows, n);
+      data = upload(f.nope), rope = upload(f.rope), scale = upload(f.scale);
+    } else {
+      data = upload(rows);
+    }
+  };
+  p.q = bench_data ? device_fill(size_t(c.B) * c.S * c.H * D, Fill::kRandnBf16) : upload(a.q);
+  pool(a.rows, c.n_main, c.fp8_main, p.main_rows, p.main_rope, p.main_scale, p.main_fp8);
+  pool(a.rows2, c.n_extra, c.fp8_extra, p.extra_rows, p.extra_rope, p.extra_scale, p.extra_fp8);
   p.main_idx = upload(a.idx), p.extra_idx = upload(a.idx2);
   p.sink = c.sink ? upload(a.sink) : nullptr;
   p.inv_rope = c.rope ? upload(a.rope) : nullptr;
@@ -528,7 +563,7 @@ static int bench_prep(int sms, const char* only) {
     for (size_t i = 0; i < f.size(); ++i) f[i] = std::cos(float(i));
     for (auto& p : sets) {
       p = {};
-      p.x = upload(randn_bf16(n));
+      p.x = device_fill(n, Fill::kRandnBf16);
       p.weight = c.weight ? upload(w) : nullptr;
       p.freqs = upload(f);
       p.y = poisoned<uint8_t>(c.block ? n : n * 2);
