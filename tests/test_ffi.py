@@ -94,6 +94,52 @@ def test_attention_bench_calls_rotate_back_the_rope_dims_as_the_models_do():
     assert np.abs(out[..., lo:] - plain[..., lo:]).max() > 1e-2  # RoPE dims rotated back
 
 
+def _dspark_block_row(**overrides):
+    row = dict(name="DSpark block", kv_dtype="bf16", kernel="wgmma", B=64, S=5, H=64, K=133, bound="compute",
+               xla_us=1000.0, kernel_device_us=50.0)
+    row.update(overrides)
+    return row
+
+
+def test_attention_floor_puts_a_target_out_of_reach_when_its_bytes_need_more_than_the_copy_rate():
+    from jax_dspark.bench import attention as bench_attention
+
+    # q + out 2*64*5*64*1024, KV 64*133*1024, index lists 64*5*133*4, RoPE table 64*5*64*4
+    assert bench_attention.min_bytes(64, 5, 64, 133, "bf16") == 41_943_040 + 8_716_288 + 170_240 + 81_920
+    f = bench_attention.floor_columns(_dspark_block_row(), copy=2.867, gemm=643.6)
+    flops = 4.0 * 64 * 5 * 64 * 133 * 512
+    assert f["target_us"] == pytest.approx(flops / (0.5 * 643.6e12) * 1e6, abs=0.01)  # 50% of GEMM: 17.33 us
+    assert f["byte_floor_us"] == pytest.approx(50_911_488 / 2.867e12 * 1e6, abs=0.01)  # 17.76 us
+    assert f["target_needs_of_copy"] > 1.0 and f["target_needs_of_gemm"] == pytest.approx(0.5, abs=1e-3)
+    assert f["target_within_ceilings"] is False
+    assert f["busy_of_floor"] == pytest.approx(f["byte_floor_us"] / 50.0, abs=1e-3)
+    # On a GPU with 4.1 TB/s the same bytes fit.
+    assert bench_attention.floor_columns(_dspark_block_row(), copy=4.1, gemm=643.6)["target_within_ceilings"]
+
+
+def test_attention_floor_target_is_the_stricter_of_the_ceiling_and_five_times_xla():
+    from jax_dspark.bench import attention as bench_attention
+
+    f = bench_attention.floor_columns(_dspark_block_row(xla_us=50.0, kernel_device_us=None), copy=4.1, gemm=643.6)
+    assert f["target_us"] == 10.0  # 50 / 5 < 17.3
+    assert f["target_needs_of_gemm"] == pytest.approx(4.0 * 64 * 5 * 64 * 133 * 512 / 643.6e12 * 1e6 / 10.0, abs=1e-3)
+    assert f["busy_of_floor"] is None and f["target_within_ceilings"] is False
+
+
+def test_attention_with_floors_adds_the_columns_to_a_stored_run_and_says_so(tmp_path):
+    from jax_dspark.bench import attention as bench_attention
+
+    stored = dict(gpu="g", commit="c", date="d", copy_TBps=4.1, gemm_bf16_TFLOPs=650.0, launch="streams",
+                  targets=dict(ridge_flop_per_byte=158.5), cases=[_dspark_block_row(kernel_us=60.0)])
+    got = bench_attention.with_floors(stored)  # a run from before inverse RoPE: no RoPE table bytes
+    assert got["cases"][0]["kernel_us"] == 60.0 and "not measured again" in got["floors_note"]
+    no_rope = bench_attention.min_bytes(64, 5, 64, 133, "bf16", rope_dims=0)
+    assert got["cases"][0]["byte_floor_us"] == pytest.approx(no_rope / 4.1e12 * 1e6, abs=0.01)
+    assert "byte_floor_us" not in stored["cases"][0]  # the stored result is left as it was
+    md = bench_attention.write(got, str(tmp_path / "a.json"))
+    assert "| target within ceilings |" in md and "not measured again" in md
+
+
 def test_auto_attention_kernel_picks_wgmma_for_both_pool_kinds_when_registered(monkeypatch):
     monkeypatch.delenv(_kernels.ATTENTION_KERNEL_ENV, raising=False)
     report = {name: _ffi.REGISTERED for name, _ in _kernels.ATTENTION_KERNELS.values()}

@@ -14,6 +14,13 @@ bytes the kernel reads, so `kernel_TBps` counts 584 B per distinct row), and eve
 registered kernel variant gets its own row (`kernel`: "mma.sync" and "wgmma"), all against the
 same XLA timing; `default` marks the row of the kernel that calls get by default
 (`ops._kernels.AUTO_ATTENTION_KERNEL`: wgmma for both kinds since 4380827).
+
+Every row also says whether its case's target is within the GPU's ceilings at all
+(`floor_columns`). The targets are stated on KV bytes (memory-bound) or FLOPs
+(compute-bound) alone, but any kernel also has to read q and write the output: the byte
+floor is those bytes plus the distinct KV rows, the index lists and the RoPE table, moved
+once at this run's copy rate; the tensor floor is the FLOPs at this run's GEMM rate. A
+target whose time is shorter than either floor is out of reach whatever the schedule.
 """
 
 from __future__ import annotations
@@ -97,6 +104,57 @@ def _op(mode: str):
     return f
 
 
+def min_bytes(B: int, S: int, H: int, K: int, kv_dtype: str, rope_dims: int = ROPE_DIM) -> float:
+    """Bytes every kernel moves through DRAM at least once for one call: q and the bf16
+    output (`B*S*H*D*2` each), each request's K distinct KV rows (the S query rows of a
+    request share them), the int32 index lists (`B*S*K*4`) and the f32 (cos, sin) table of
+    the inverse RoPE (`B*S*rope_dims*4`). The sink and the lse (not asked for) are ignored."""
+    return float(2 * B * S * H * D * 2 + B * K * ROW_BYTES[kv_dtype] + B * S * K * 4 + B * S * rope_dims * 4)
+
+
+def floor_columns(row: dict, copy: float, gemm: float, rope_dims: int = ROPE_DIM) -> dict:
+    """Whether `row`'s target is within this run's ceilings (`copy` TB/s, `gemm` TFLOP/s).
+
+    target_us: the longest time meeting the case's targets: its KV bytes at 80% of copy
+    (memory-bound) or its FLOPs at 50% of the GEMM rate (compute-bound), and a fifth of the
+    XLA reference's time per call. byte_floor_us / tensor_floor_us: `min_bytes` at the copy
+    rate / the FLOPs at the GEMM rate. target_needs_of_copy (of_gemm): the fraction of the
+    copy (GEMM) rate that moving those bytes (doing that math) within target_us takes; above
+    1 no kernel meets the target on this GPU. Both at most 1 is necessary, not sufficient:
+    the floors overlap only as far as a schedule overlaps its loads and its math. busy_of_floor: the larger floor over the
+    kernel's GPU busy time (how far the kernel is from the ceilings, whatever the target).
+    """
+    B, S, H, K, kv_dtype = row["B"], row["S"], row["H"], row["K"], row["kv_dtype"]
+    kv_bytes = float(B * K * ROW_BYTES[kv_dtype])
+    flops = 4.0 * B * S * H * K * D
+    if row["bound"] == "memory":
+        target_us = kv_bytes / (TARGET_MEMORY_FRACTION * copy * 1e12) * 1e6
+    else:
+        target_us = flops / (TARGET_COMPUTE_FRACTION * gemm * 1e12) * 1e6
+    target_us = min(target_us, row["xla_us"] / TARGET_SPEEDUP)
+    byte_floor_us = min_bytes(B, S, H, K, kv_dtype, rope_dims) / (copy * 1e12) * 1e6
+    tensor_floor_us = flops / (gemm * 1e12) * 1e6
+    needs_copy, needs_gemm = byte_floor_us / target_us, tensor_floor_us / target_us
+    busy = row.get("kernel_device_us")
+    return dict(
+        target_us=round(target_us, 2), byte_floor_us=round(byte_floor_us, 2), tensor_floor_us=round(tensor_floor_us, 2),
+        target_needs_of_copy=round(needs_copy, 3), target_needs_of_gemm=round(needs_gemm, 3),
+        target_within_ceilings=bool(needs_copy <= 1.0 and needs_gemm <= 1.0),
+        busy_of_floor=round(max(byte_floor_us, tensor_floor_us) / busy, 3) if busy else None,
+    )
+
+
+def with_floors(result: dict) -> dict:
+    """A stored result with every row's `floor_columns` computed from its own recorded
+    ceilings and XLA time, for results written before those columns existed. Nothing is
+    measured again; `floors_note` says so."""
+    rope = result.get("inverse_rope_dims", 0)
+    cases = [dict(row, **floor_columns(row, result["copy_TBps"], result["gemm_bf16_TFLOPs"], rope))
+             for row in result["cases"]]
+    return dict(result, cases=cases, floors_note="The floor columns were computed afterwards by "
+                "bench.attention.with_floors from this run's recorded ceilings and XLA times; not measured again")
+
+
 def _device_columns(kernel_dev, xla_dev, flops, kv_bytes, bound, copy, gemm) -> dict:
     """The row's fields judged on GPU busy time (`timing.device_busy_us`; None where no trace)."""
     if kernel_dev is None or xla_dev is None:
@@ -156,6 +214,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         for variant, us, dev in timed:
             row = _case_row(case, kv_dtype, variant, us, xla_us, flops, kv_bytes, bound, copy, gemm)
             row.update(_device_columns(dev, xla_dev, flops, kv_bytes, bound, copy, gemm))
+            row.update(floor_columns(row, copy, gemm))
             cases.append(row)
             print(row, flush=True)
     result = dict(
@@ -184,7 +243,10 @@ def write(result: dict, json_path: str, extra_notes: tuple[str, ...] = ()) -> st
         ("of ceiling", "fraction_of_ceiling"), ("speedup", "speedup_vs_xla"), ("meets target", "meets_target"),
         ("XLA busy µs", "xla_device_us"), ("kernel busy µs", "kernel_device_us"),
         ("busy of ceiling", "device_fraction_of_ceiling"), ("busy speedup", "device_speedup_vs_xla"),
-        ("meets target (busy)", "meets_target_device_time"),
+        ("meets target (busy)", "meets_target_device_time"), ("target µs", "target_us"),
+        ("byte floor µs", "byte_floor_us"), ("tensor floor µs", "tensor_floor_us"),
+        ("target needs of copy", "target_needs_of_copy"), ("target needs of GEMM", "target_needs_of_gemm"),
+        ("target within ceilings", "target_within_ceilings"), ("busy of floor", "busy_of_floor"),
     ]
     notes = [
         "XLA = `ops.sparse_sink_attention_reference` (f32 gather + einsum at HIGHEST precision), kernel = the "
@@ -202,6 +264,11 @@ def write(result: dict, json_path: str, extra_notes: tuple[str, ...] = ()) -> st
         "(as the V4 models call it; 0: a run from before 2026-12-06, without).",
         "busy = GPU busy time per call from a profiler trace of the same executable (`timing.device_busy_us`: "
         "kernels and copies on the device's streams, launch gaps excluded); the targets judged on it as well.",
+        "Floors (`floor_columns`): target µs = the longest time meeting the case's targets (its ceiling "
+        "fraction and 5x XLA); byte floor = q, output, distinct KV rows, index lists and RoPE table moved once at "
+        "the copy rate; tensor floor = the FLOPs at the GEMM rate; \"needs\" = floor / target µs, above 1 no "
+        "kernel meets the target on this GPU; busy of floor = the larger floor / kernel busy µs.",
+        *([result["floors_note"] + "."] if result.get("floors_note") else []),
         *extra_notes,
     ]
     return report.write(result, json_path, columns, "Sparse sink attention: XLA reference vs CUDA kernel", notes)
