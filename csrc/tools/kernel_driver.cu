@@ -111,8 +111,8 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
 enum class Fill { kRandnBf16, kFp8Bytes, kScaleBytes };
 
 // kRandnBf16: bf16, sum of four 16-bit uniforms scaled to unit variance (as randn_bf16);
-// kFp8Bytes: e4m3 bytes with bit 3 cleared (never the NaN codes S.1111.111), as random_fp8_pool;
-// kScaleBytes: random_fp8_pool's scale bytes (120..127 for the 7 used of every 8, 127 else).
+// kFp8Bytes: e4m3 bytes with bit 3 cleared (never the NaN codes S.1111.111);
+// kScaleBytes: scale bytes around 2^0 (120..127 for the 7 used of every 8 a row, 127 else).
 __global__ void fill_kernel(uint8_t* out, size_t n, uint64_t seed, Fill kind) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const uint64_t h = splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));

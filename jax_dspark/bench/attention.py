@@ -121,8 +121,9 @@ def floor_columns(row: dict, copy: float, gemm: float, rope_dims: int = ROPE_DIM
     rate / the FLOPs at the GEMM rate. target_needs_of_copy (of_gemm): the fraction of the
     copy (GEMM) rate that moving those bytes (doing that math) within target_us takes; above
     1 no kernel meets the target on this GPU. Both at most 1 is necessary, not sufficient:
-    the floors overlap only as far as a schedule overlaps its loads and its math. busy_of_floor: the larger floor over the
-    kernel's GPU busy time (how far the kernel is from the ceilings, whatever the target).
+    the floors overlap only as far as a schedule overlaps its loads and its math.
+    busy_of_floor: the larger floor over the kernel's GPU busy time (how far the kernel is
+    from the ceilings, whatever the target).
     """
     B, S, H, K, kv_dtype = row["B"], row["S"], row["H"], row["K"], row["kv_dtype"]
     kv_bytes = float(B * K * ROW_BYTES[kv_dtype])
