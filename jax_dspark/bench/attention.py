@@ -104,6 +104,11 @@ def _op(mode: str):
     return f
 
 
+def work(B: int, S: int, H: int, K: int, kv_dtype: str) -> tuple[float, float]:
+    """The FLOPs (`4*B*S*H*K*D`) and distinct KV bytes (`B*K*row bytes`) the targets count."""
+    return 4.0 * B * S * H * K * D, float(B * K * ROW_BYTES[kv_dtype])
+
+
 def min_bytes(B: int, S: int, H: int, K: int, kv_dtype: str, rope_dims: int = ROPE_DIM) -> float:
     """Bytes every kernel moves through DRAM at least once for one call: q and the bf16
     output (`B*S*H*D*2` each), each request's K distinct KV rows (the S query rows of a
@@ -126,8 +131,7 @@ def floor_columns(row: dict, copy: float, gemm: float, rope_dims: int = ROPE_DIM
     from the ceilings, whatever the target).
     """
     B, S, H, K, kv_dtype = row["B"], row["S"], row["H"], row["K"], row["kv_dtype"]
-    kv_bytes = float(B * K * ROW_BYTES[kv_dtype])
-    flops = 4.0 * B * S * H * K * D
+    flops, kv_bytes = work(B, S, H, K, kv_dtype)
     if row["bound"] == "memory":
         target_us = kv_bytes / (TARGET_MEMORY_FRACTION * copy * 1e12) * 1e6
     else:
@@ -207,8 +211,7 @@ def run(json_path: str, commit: str | None = None, kernel_sets: int = 20, xla_se
         if only and only.lower() not in f"{case.name} {kv_dtype}".lower():
             continue
         sets = make_inputs(case, max(kernel_sets, xla_sets), kv_dtype=kv_dtype)
-        flops = 4.0 * case.B * case.S * case.H * case.K * D
-        kv_bytes = float(case.B * case.K * ROW_BYTES[kv_dtype])
+        flops, kv_bytes = work(case.B, case.S, case.H, case.K, kv_dtype)
         xla_us, xla_dev = timing.call_times(_op("reference"), sets[:xla_sets])
         bound = "memory" if flops / kv_bytes < ridge else "compute"
         timed = [(v, *kernel_us(v, sets[:kernel_sets])) for v in variants] or [("mma", float("nan"), None)]
