@@ -85,9 +85,12 @@ __device__ __forceinline__ uint32_t output_pair(const SparseSinkAttentionParams&
 
 // One warp merges the split partials of output row `row` (head h of query row bs) by their
 // log-sum-exp, then applies the sink and the inverse RoPE and stores the bf16 row and its lse;
-// lane l holds dims 16 l .. 16 l + 15. `split_lse(sp)`: split sp's lse (natural log, sink
-// excluded, -inf when it saw no valid row); `split_chunk(sp, k)`: float4 k (0..3) of the
-// lane's 16 dims of split sp's normalised partial O / l. Where the partials live is the
+// lane l holds dims 128 k + 4 l .. 128 k + 4 l + 3 for k = 0..3, so each float4 read is one
+// contiguous 512-byte warp access (with 16 contiguous dims a lane, the reads of the staged
+// rows in the cluster merge hit a 16-way bank conflict) and each store a 256-byte one.
+// `split_lse(sp)`: split sp's lse (natural log, sink excluded, -inf when it saw no valid
+// row); `split_chunk(sp, k)`: the float4 at dims 128 k + 4 l of split sp's normalised
+// partial O / l. Where the partials live is the
 // caller's: global memory for the combine kernel, the cluster's shared memory for the wgmma
 // kernels' cluster merge (finish_rows<true>).
 template <class SplitLse, class SplitChunk>
@@ -123,12 +126,14 @@ __device__ __forceinline__ void combine_row(const SparseSinkAttentionParams& p, 
   }
   const float f = sink_factor(p.sink, h, lse);
   const int rope_lo = D - p.rope_dim;
-  uint32_t packed[8];
+  __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(p.out) + row * D;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) packed[k] = output_pair(p, acc[2 * k] * f, acc[2 * k + 1] * f, bs, lane * 16 + 2 * k, rope_lo);
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + row * D + lane * 16);
-  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  for (int k = 0; k < 4; ++k) {
+    const int dim = 128 * k + 4 * lane;
+    *reinterpret_cast<uint2*>(out_row + dim) =
+        make_uint2(output_pair(p, acc[4 * k] * f, acc[4 * k + 1] * f, bs, dim, rope_lo),
+                   output_pair(p, acc[4 * k + 2] * f, acc[4 * k + 3] * f, bs, dim + 2, rope_lo));
+  }
   if (lane == 0) p.lse[row] = lse;
 }
 

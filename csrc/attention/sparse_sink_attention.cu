@@ -531,7 +531,7 @@ __global__ void __launch_bounds__(256) attention_combine_kernel(const SparseSink
   combine_row(
       p, row, h, bs, lane, [&](int sp) { return p.partial_lse[int64_t(sp) * rows + row]; },
       [&](int sp, int k) {
-        return reinterpret_cast<const float4*>(p.partial_out + (int64_t(sp) * rows + row) * D + lane * 16)[k];
+        return *reinterpret_cast<const float4*>(p.partial_out + (int64_t(sp) * rows + row) * D + 128 * k + 4 * lane);
       });
 }
 

@@ -541,7 +541,7 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
       combine_row(
           p, bs * p.heads + h, h, bs, lane, [&](int sp) { return ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)); },
           [&](int sp, int k) {
-            return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + lane * 64 + k * 16, sp));
+            return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + k * 512 + lane * 16, sp));
           });
     }
     cluster_sync();
