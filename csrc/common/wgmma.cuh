@@ -31,6 +31,20 @@ __device__ __forceinline__ uint64_t gmma_desc_sw128(uint32_t smem_byte_addr, uin
   return gmma_desc_noswizzle(smem_byte_addr, lbo, sbo) | (uint64_t(1) << 62);
 }
 
+// The descriptor of the operand `byte_offset` bytes further on: the start address is the low
+// 14-bit field (address >> 4) and every shared-memory address is below 2^18, so for an offset
+// that stays inside the allocation the sum cannot carry into the strides (1024-byte-aligned
+// swizzle atoms keep their base-offset field 0 as long as the offset is a whole k16 step or
+// whole atoms).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t byte_offset) {
+  return desc + (byte_offset >> 4);
+}
+
+// The warpgroup of thread `tid` as a value the compiler knows is the same across the warp
+// (a shuffle from lane 0), so descriptor arithmetic built from it can live in uniform
+// registers, as wgmma needs, instead of being moved there before every instruction.
+__device__ __forceinline__ int warpgroup_of(int tid) { return __shfl_sync(0xffffffffu, tid >> 7, 0); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
