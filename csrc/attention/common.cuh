@@ -90,9 +90,8 @@ __device__ __forceinline__ uint32_t output_pair(const SparseSinkAttentionParams&
 // rows in the cluster merge hit a 16-way bank conflict) and each store a 256-byte one.
 // `split_lse(sp)`: split sp's lse (natural log, sink excluded, -inf when it saw no valid
 // row); `split_chunk(sp, k)`: the float4 at dims 128 k + 4 l of split sp's normalised
-// partial O / l. Where the partials live is the
-// caller's: global memory for the combine kernel, the cluster's shared memory for the wgmma
-// kernels' cluster merge (finish_rows<true>).
+// partial O / l. Where the partials live is the caller's: global memory for the combine
+// kernel, the cluster's shared memory for the wgmma kernels' cluster merge (finish_rows<true>).
 template <class SplitLse, class SplitChunk>
 __device__ __forceinline__ void combine_row(const SparseSinkAttentionParams& p, int64_t row, int h, int64_t bs,
                                             int lane, SplitLse&& split_lse, SplitChunk&& split_chunk) {
