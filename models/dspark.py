@@ -51,7 +51,7 @@ from jax_dspark.ops.sampling import SamplingParams
 from jax_dspark.spec.propose import Proposal, propose
 
 from . import _validate
-from .dspark_heads import ConfidenceHead, EmbeddingMarkovHead, MarkovHead
+from .dspark_heads import ConfidenceHead, EmbeddingMarkovHead, GatedMarkov, MarkovGate, MarkovHead
 from .llama import gqa_attention, rope_half_split
 
 __all__ = [
@@ -80,6 +80,9 @@ class DSparkConfig:
         `W1`, `W2`, DSpark's and V4's layout) or "embedding" (`dspark_heads.
         EmbeddingMarkovHead`: tied to the target's embedding and LM head through two
         `[d, r]` maps, for a high rank within a small file).
+      markov_gate: DeepSpec's `gated` Markov variant (`dspark_heads.GatedMarkov`): the
+        predecessor's embedding is gated per rank direction by `sigmoid([h; e] W + b)`
+        before the logit factor; needs `markov_rank > 0`.
       noise_token_id: id fed into block slots 1..g-1 (DeepSpec's `mask_token_id`).
       confidence_bias: DeepSpec's confidence head has a bias (the V4 one has none).
       dtype: parameter / activation dtype name.
@@ -98,6 +101,7 @@ class DSparkConfig:
     rms_eps: float = 1e-6
     markov_rank: int = 16
     markov_factors: str = "table"
+    markov_gate: bool = False
     noise_token_id: int = 0
     confidence_bias: bool = True
     dtype: str = "float32"
@@ -111,6 +115,9 @@ class DSparkConfig:
             raise ValueError(f"markov_rank: must be an int >= 0 (got {self.markov_rank!r})")
         if self.markov_factors not in ("table", "embedding"):
             raise ValueError(f"markov_factors: must be 'table' or 'embedding' (got {self.markov_factors!r})")
+        if not isinstance(self.markov_gate, bool) or (self.markov_gate and not self.markov_rank):
+            raise ValueError(f"markov_gate: must be a bool, True only with markov_rank > 0 "
+                             f"(got {self.markov_gate!r} with markov_rank {self.markov_rank})")
         if not 0 <= self.noise_token_id < self.vocab_size:
             raise ValueError(
                 f"noise_token_id: must lie in [0, {self.vocab_size}) (got {self.noise_token_id!r})")
@@ -247,8 +254,8 @@ class DSparkDrafter(nnx.Module):
 
     Parameters: `fc [C*d, d]` and `hidden_norm [d]` (context projection), `layers.<name>`
     (stacked blocks, `LAYER_PARAMS`), `final_norm [d]`, `markov` (`MarkovHead`, or
-    `EmbeddingMarkovHead` with `markov_factors="embedding"`; absent when `markov_rank = 0`)
-    and `confidence` (`ConfidenceHead` over `[h; W1[prev]]`).
+    `EmbeddingMarkovHead` with `markov_factors="embedding"`; absent when `markov_rank = 0`),
+    `markov_gate` (`MarkovGate`, only with `markov_gate=True`) and `confidence` (`ConfidenceHead` over `[h; W1[prev]]`).
 
     Per layer, the context features are projected by the SAME `wk`/`wv` as the block rows
     (after `k_norm` and RoPE at their own positions); the layer's input norm applies to the
@@ -277,6 +284,7 @@ class DSparkDrafter(nnx.Module):
             self.markov = EmbeddingMarkovHead(d, rank, rngs=rngs)
         else:
             self.markov = MarkovHead(config.vocab_size, rank, rngs=rngs)
+        self.markov_gate = MarkovGate(d, rank, rngs=rngs) if config.markov_gate else None
         self.confidence = ConfidenceHead(d, rank, rngs=rngs, use_bias=config.confidence_bias)
 
     @property
@@ -285,10 +293,12 @@ class DSparkDrafter(nnx.Module):
 
     def markov_head(self, target):
         """The Markov head as `spec.propose` calls it (`embed`, `__call__`), or None:
-        the table head itself, or the embedding-tied head bound to `target`."""
-        if isinstance(self.markov, EmbeddingMarkovHead):
-            return self.markov.bind(target)
-        return self.markov
+        the table head itself, or the embedding-tied head bound to `target`, wrapped in
+        `GatedMarkov` when the drafter has a gate."""
+        head = self.markov.bind(target) if isinstance(self.markov, EmbeddingMarkovHead) else self.markov
+        if head is not None and self.markov_gate is not None:
+            return GatedMarkov(head, self.markov_gate)
+        return head
 
     def with_markov_tables(self, target) -> "DSparkDrafter":
         """This drafter with an embedding-tied Markov head turned into free tables
@@ -316,7 +326,7 @@ class DSparkDrafter(nnx.Module):
         return _with_params(new, values)
 
     def grown(self, *, rngs: nnx.Rngs, markov_rank: int | None = None,
-              num_layers: int | None = None) -> "DSparkDrafter":
+              num_layers: int | None = None, markov_gate: bool | None = None) -> "DSparkDrafter":
         """This drafter with a larger Markov head and/or more backbone layers, proposing
         exactly what it proposed before, so a trained drafter can continue with more capacity
         (`jax-dspark train --init` with a larger `--markov-rank` / `--num-layers`) instead of
@@ -333,16 +343,27 @@ class DSparkDrafter(nnx.Module):
         except their output projections `wo` and `w_down`, which are zero, so each new
         block adds nothing to the residual stream (and the final norm sees what it saw)
         until training moves them.
+
+        Vanilla -> gated Markov head (`markov_gate=True`): the gate starts at zero weights,
+        i.e. 1/2 everywhere, and the head's logit factor (`w2` / `p2`) is doubled, so
+        `(1/2 * e) (2 W2)^T` is the old bias exactly (DeepSpec's gated form, eq. 6, with
+        its `W2` scaled; the function class is the same).
         """
         cfg = self.config
         rank = cfg.markov_rank if markov_rank is None else markov_rank
         layers = cfg.num_layers if num_layers is None else num_layers
+        gate = cfg.markov_gate if markov_gate is None else markov_gate
         for name, value, cur in (("markov_rank", rank, cfg.markov_rank), ("num_layers", layers, cfg.num_layers)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < cur:
                 raise ValueError(f"{name}: must be an int >= the current {cur} (got {value!r})")
-        if (rank, layers) == (cfg.markov_rank, cfg.num_layers):
-            raise ValueError(f"markov_rank / num_layers: nothing to grow (both as stored: {rank}, {layers})")
-        config = dataclasses.replace(cfg, markov_rank=int(rank), num_layers=int(layers))
+        if not isinstance(gate, bool) or gate < cfg.markov_gate:
+            raise ValueError(f"markov_gate: must be a bool, not removing a gate (got {gate!r}, stored {cfg.markov_gate})")
+        if (rank, layers, gate) == (cfg.markov_rank, cfg.num_layers, cfg.markov_gate):
+            raise ValueError(f"markov_rank / num_layers / markov_gate: nothing to grow "
+                             f"(all as stored: {rank}, {layers}, {gate})")
+        if gate and not rank:
+            raise ValueError("markov_gate: needs a Markov head (markov_rank 0)")
+        config = dataclasses.replace(cfg, markov_rank=int(rank), num_layers=int(layers), markov_gate=gate)
         new = DSparkDrafter(config, rngs=rngs)
         values = nnx.to_pure_dict(nnx.state(self, nnx.Param))
         fresh = nnx.to_pure_dict(nnx.state(new, nnx.Param))
@@ -363,6 +384,10 @@ class DSparkDrafter(nnx.Module):
                 if name in ("wo", "w_down"):
                     added = jnp.zeros_like(added)
                 values["layers"][name] = jnp.concatenate([values["layers"][name], added])
+        if gate and not cfg.markov_gate:
+            second = "p2" if config.markov_factors == "embedding" else "w2"
+            values["markov"][second] = 2 * values["markov"][second]
+            values["markov_gate"] = fresh["markov_gate"]
         return _with_params(new, values)
 
     # -- state ---------------------------------------------------------------------------

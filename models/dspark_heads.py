@@ -6,7 +6,10 @@ Both sit after the drafter's parallel backbone and its LM head (see
 * `MarkovHead` adds `B(prev, .) = W1[prev] @ W2^T` to each draft position's logits, where
   `prev` is the token actually drawn at the previous position (the anchor for position 0).
   It is the only sequential part of the proposal, one row gather plus one `r x V` mat-vec
-  per step, so the backbone and the LM head still run once per block.
+  per step, so the backbone and the LM head still run once per block. `GatedMarkov` is
+  DeepSpec's `gated` variant (paper eq. 6): the predecessor's embedding is scaled, per
+  rank direction, by a sigmoid gate that also reads the position's hidden state, so how
+  much of the bigram statistics a position takes depends on its context.
 * `ConfidenceHead` predicts, per position, the probability that the draft is accepted given
   that every earlier one was: `logit = w . [h; W1[prev]] (+ b)`. It sees the predecessor,
   never the draft itself, which keeps the scheduler that consumes it non-anticipating.
@@ -54,6 +57,8 @@ class MarkovHead(nnx.Module):
     real token's bigram statistics into a position that has no such predecessor.
     """
 
+    needs_hidden = False
+
     def __init__(
         self,
         vocab_size: int,
@@ -81,15 +86,20 @@ class MarkovHead(nnx.Module):
         """
         return _guarded_rows(prev, self.vocab_size, lambda ids: jnp.take(self.w1[...], ids, axis=0))
 
-    def __call__(self, prev: jax.Array) -> jax.Array:
+    def project(self, e: jax.Array) -> jax.Array:
+        """`f32[..., V]` = `e @ W2^T` for `e: [..., r]` (the logit side of the bias)."""
+        return e.astype(jnp.float32) @ self.w2[...].astype(jnp.float32).T
+
+    def __call__(self, prev: jax.Array, hidden: jax.Array | None = None) -> jax.Array:
         """Markov bias for each predecessor.
 
         Args:
           prev: `i32[...]` predecessor token ids.
+          hidden: ignored (the call surface `GatedMarkov` shares).
         Returns:
           `f32[..., V]` = `W1[prev] @ W2^T` in float32; zero where `prev` is out of vocab.
         """
-        return self.embed(prev) @ self.w2[...].astype(jnp.float32).T
+        return self.project(self.embed(prev))
 
 
 class EmbeddingMarkovHead(nnx.Module):
@@ -129,6 +139,8 @@ class EmbeddingMarkovHead(nnx.Module):
 class BoundEmbeddingMarkov:
     """An `EmbeddingMarkovHead` bound to a target: the `MarkovHead` call surface."""
 
+    needs_hidden = False
+
     def __init__(self, head: EmbeddingMarkovHead, target):
         vocab = getattr(getattr(target, "config", None), "vocab_size", None)
         if not isinstance(vocab, int) or vocab < 1:
@@ -141,10 +153,77 @@ class BoundEmbeddingMarkov:
         p1 = self.head.p1[...].astype(jnp.float32)
         return _guarded_rows(prev, self.vocab_size, lambda ids: self.target.embed(ids).astype(jnp.float32) @ p1)
 
-    def __call__(self, prev: jax.Array) -> jax.Array:
-        """`f32[..., V]` Markov bias `unembed(E[prev] @ P1 @ P2^T)`; zero for invalid `prev`."""
-        shift = self.embed(prev) @ self.head.p2[...].astype(jnp.float32).T
+    def project(self, e: jax.Array) -> jax.Array:
+        """`f32[..., V]` = `unembed(e @ P2^T)` for `e: [..., r]`."""
+        shift = e.astype(jnp.float32) @ self.head.p2[...].astype(jnp.float32).T
         return self.target.unembed(shift).astype(jnp.float32)
+
+    def __call__(self, prev: jax.Array, hidden: jax.Array | None = None) -> jax.Array:
+        """`f32[..., V]` Markov bias `unembed(E[prev] @ P1 @ P2^T)`; zero for invalid `prev`
+        (`hidden` is ignored)."""
+        return self.project(self.embed(prev))
+
+
+class MarkovGate(nnx.Module):
+    """The gate of DeepSpec's `gated` Markov variant: `sigmoid([h; e] @ W + b)`, `[..., r]`.
+
+    Attributes:
+      w: `[d + r, r]`; the first `d` rows read the position's hidden state `h`, the last
+        `r` the predecessor's embedding `e = W1[prev]`.
+      b: `[r]`.
+
+    Both start at zero, so a fresh gate is 1/2 everywhere: a vanilla head turned gated
+    with its logit factor doubled (`DSparkDrafter.grown(markov_gate=True)`) proposes
+    exactly what it proposed before, and the gate's gradient is not zero (`e` is not).
+    """
+
+    def __init__(self, hidden_size: int, rank: int, *, rngs: nnx.Rngs, param_dtype: jnp.dtype = jnp.float32):
+        del rngs  # zero init; the argument keeps the nnx constructor convention
+        _require_positive(hidden_size=hidden_size, rank=rank)
+        self.hidden_size, self.rank = hidden_size, rank
+        self.w = nnx.Param(jnp.zeros((hidden_size + rank, rank), param_dtype))
+        self.b = nnx.Param(jnp.zeros((rank,), param_dtype))
+
+    def __call__(self, hidden: jax.Array, e: jax.Array) -> jax.Array:
+        """`f32[..., r]` gate for hidden states `[..., d]` and predecessor embeddings `[..., r]`."""
+        d = self.hidden_size
+        if hidden.shape[-1] != d or hidden.shape[:-1] != e.shape[:-1]:
+            raise ValueError(f"hidden: shape must be {e.shape[:-1] + (d,)} to match e {e.shape} (got {hidden.shape})")
+        w = self.w[...].astype(jnp.float32)
+        z = hidden.astype(jnp.float32) @ w[:d] + e.astype(jnp.float32) @ w[d:] + self.b[...].astype(jnp.float32)
+        return jax.nn.sigmoid(z)
+
+
+class GatedMarkov:
+    """DeepSpec's `gated` Markov head over a vanilla one (`MarkovHead` or a bound
+    `EmbeddingMarkovHead`): `bias(prev, h) = (gate(h, e) * e) W2^T` with `e = W1[prev]`.
+
+    The gate reads the draft position's backbone hidden state, which exists for the whole
+    block before the chain starts, so the chain stays one gather, one `[d + r, r]`
+    product and one `r x V` product per step. The confidence head still reads the
+    ungated `e` (`embed`), as in DeepSpec. An invalid predecessor has `e = 0`, hence a
+    zero bias whatever the gate says.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, head, gate: MarkovGate):
+        if gate.rank != head.rank:
+            raise ValueError(f"gate: rank must be the Markov head's {head.rank} (got {gate.rank})")
+        self.head, self.gate = head, gate
+        self.vocab_size, self.rank = head.vocab_size, head.rank
+        self.hidden_size = gate.hidden_size
+
+    def embed(self, prev: jax.Array) -> jax.Array:
+        """`f32[..., r]` = `W1[prev]` (ungated), zero rows for invalid `prev`."""
+        return self.head.embed(prev)
+
+    def __call__(self, prev: jax.Array, hidden: jax.Array | None = None) -> jax.Array:
+        """`f32[..., V]` gated bias for predecessors `prev [...]` at hidden states `[..., d]`."""
+        if hidden is None:
+            raise ValueError("hidden: required by a gated Markov head (got None)")
+        e = self.embed(prev)
+        return self.head.project(self.gate(hidden, e) * e)
 
 
 class ConfidenceHead(nnx.Module):

@@ -264,3 +264,42 @@ def test_growth_rejects_a_smaller_or_unchanged_or_non_int_size(llama_target, kwa
     drafter = tiny_dspark(llama_target.config, seed=7, num_layers=2, markov_rank=4)
     with pytest.raises(ValueError, match=match):
         drafter.grown(rngs=nnx.Rngs(0), **kwargs)
+
+
+@pytest.mark.parametrize("factors", ["embedding", "table"])
+def test_gate_growth_keeps_what_the_drafter_proposes_until_the_gate_moves(llama_target, factors):
+    vanilla = tiny_dspark(llama_target.config, seed=11, markov_rank=6, markov_factors=factors)
+    gated = vanilla.grown(markov_gate=True, rngs=nnx.Rngs(5))
+    assert gated.config.markov_gate and not vanilla.config.markov_gate and vanilla.markov_gate is None
+    _assert_same_drafts(vanilla, gated, llama_target, seed=12, counts=[5, 8], tol=1e-5)
+    state = _commit(gated, llama_target, gated.init_state(B, MAX_LEN), _hiddens(12, S, llama_target.config),
+                    slots=[0, 1], starts=[0, 0], counts=[5, 8])
+    before, _ = _draft(gated, llama_target, state, lengths=[5, 8])
+    gated.markov_gate.w[...] = jax.random.normal(jax.random.key(13), gated.markov_gate.w.shape)
+    after, _ = _draft(gated, llama_target, state, lengths=[5, 8])
+    assert np.abs(after - before).max() > 1e-3
+
+
+def test_gated_drafter_is_lossless_and_drafts_the_same_with_materialised_tables(llama_target, greedy_errors):
+    drafter = tiny_dspark(llama_target.config, seed=14, markov_rank=8, markov_factors="embedding", markov_gate=True)
+    drafter.markov_gate.w[...] = jax.random.normal(jax.random.key(15), drafter.markov_gate.w.shape)
+    tables = drafter.with_markov_tables(llama_target)
+    assert tables.config.markov_gate and tables.config.markov_factors == "table"
+    _assert_same_drafts(drafter, tables, llama_target, seed=16, counts=[6, 9], tol=1e-4)
+    spec = generate(llama_target, tables, PROMPTS, max_new_tokens=9, seed=0)
+    assert greedy_errors(llama_target, PROMPTS, spec.tokens) == []
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(markov_gate="yes"), "markov_gate"),
+                                           (dict(markov_gate=True, markov_rank=0), "markov_gate")])
+def test_gated_config_needs_a_bool_and_a_markov_head(llama_target, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_dspark(llama_target.config, **kwargs)
+
+
+def test_gate_growth_rejects_removing_a_gate_or_a_rank_zero_drafter(llama_target):
+    gated = tiny_dspark(llama_target.config, seed=7, markov_rank=4, markov_gate=True)
+    with pytest.raises(ValueError, match="markov_gate"):
+        gated.grown(rngs=nnx.Rngs(0), markov_gate=False)
+    with pytest.raises(ValueError, match="markov_gate"):
+        tiny_dspark(llama_target.config, seed=7, markov_rank=0).grown(rngs=nnx.Rngs(0), markov_gate=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_dspark.models.dspark_heads import ConfidenceHead, MarkovHead
+from jax_dspark.models.dspark_heads import ConfidenceHead, GatedMarkov, MarkovGate, MarkovHead
 
 V, R, D = 11, 4, 6
 
@@ -127,3 +127,53 @@ def test_embedding_markov_head_is_the_vanilla_head_with_tied_tables():
     table.w2[...] = target.unembed(head.p2[...].T).T
     prev = jnp.arange(0, target.config.vocab_size, 7, dtype=jnp.int32)
     np.testing.assert_allclose(np.asarray(bound(prev)), np.asarray(table(prev)), rtol=1e-4, atol=1e-5)
+
+
+def _gated(seed: int = 10) -> GatedMarkov:
+    """A gated head with a random (non-zero) gate, so the gate visibly matters."""
+    gate = MarkovGate(D, R, rngs=nnx.Rngs(seed))
+    gate.w[...] = jax.random.normal(jax.random.key(seed), gate.w.shape)
+    gate.b[...] = jax.random.normal(jax.random.key(seed + 1), gate.b.shape)
+    return GatedMarkov(_markov(seed), gate)
+
+
+def test_gated_markov_bias_is_sigmoid_gate_times_w1_row_through_w2():
+    head = _gated()
+    prev = jnp.array([[3, 0, 10], [7, 7, 1]], jnp.int32)
+    hidden = jax.random.normal(jax.random.key(12), (2, 3, D))
+    w1 = np.asarray(head.head.w1[...], np.float64)
+    w2 = np.asarray(head.head.w2[...], np.float64)
+    wg, bg = np.asarray(head.gate.w[...], np.float64), np.asarray(head.gate.b[...], np.float64)
+    e = w1[np.asarray(prev)]
+    z = np.concatenate([np.asarray(hidden, np.float64), e], axis=-1) @ wg + bg
+    expected = (e / (1.0 + np.exp(-z))) @ w2.T
+    got = head(prev, hidden)
+    assert got.shape == (2, 3, V) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+    # the confidence head's feature stays the ungated row
+    np.testing.assert_array_equal(np.asarray(head.embed(prev)), np.asarray(head.head.embed(prev)))
+
+
+def test_gated_markov_bias_depends_on_the_hidden_state_and_is_zero_without_a_predecessor():
+    head = _gated(13)
+    prev = jnp.array([4, -1, V], jnp.int32)
+    h1, h2 = jax.random.normal(jax.random.key(14), (2, 3, D))
+    a, b = np.asarray(head(prev, h1)), np.asarray(head(prev, h2))
+    assert np.abs(a[0] - b[0]).max() > 1e-3
+    assert np.all(a[1:] == 0.0) and np.all(b[1:] == 0.0)
+
+
+def test_gated_markov_rejects_a_missing_or_mis_shaped_hidden_state():
+    head = _gated(15)
+    with pytest.raises(ValueError, match="hidden"):
+        head(jnp.array([1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="hidden"):
+        head(jnp.array([1, 2], jnp.int32), jnp.ones((2, D + 1)))
+    with pytest.raises(ValueError, match="rank"):
+        GatedMarkov(_markov(), MarkovGate(D, R + 1, rngs=nnx.Rngs(0)))
+
+
+def test_fresh_gate_is_one_half_everywhere():
+    gate = MarkovGate(D, R, rngs=nnx.Rngs(16))
+    out = gate(jax.random.normal(jax.random.key(17), (5, D)), jax.random.normal(jax.random.key(18), (5, R)))
+    np.testing.assert_array_equal(np.asarray(out), 0.5)

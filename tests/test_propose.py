@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_dspark.models.dspark_heads import ConfidenceHead, MarkovHead
+from jax_dspark.models.dspark_heads import ConfidenceHead, GatedMarkov, MarkovGate, MarkovHead
 from jax_dspark.ops.sampling import SamplingParams, probabilities
 from jax_dspark.spec import predecessors, propose
 
@@ -142,3 +142,28 @@ def test_confidence_head_without_hidden_is_rejected():
 def test_anchor_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="anchor"):
         propose(jax.random.key(0), _base(), jnp.zeros((B + 1,), jnp.int32), GREEDY)
+
+
+def _gated_markov(seed: int = 20) -> GatedMarkov:
+    gate = MarkovGate(D, R, rngs=nnx.Rngs(seed))
+    gate.w[...] = 2.0 * jax.random.normal(jax.random.key(seed), gate.w.shape)
+    return GatedMarkov(_markov(seed), gate)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_gated_markov_bias_at_each_step_reads_that_positions_hidden_state(params):
+    markov, base = _gated_markov(), _base(21)
+    hidden = jax.random.normal(jax.random.key(22), (B, G, D))
+    out = propose(jax.random.key(23), base, _anchor(), params, markov=markov, hidden=hidden)
+    prev = predecessors(_anchor(), out.tokens)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(base + markov(prev, hidden)), rtol=1e-6, atol=1e-6)
+    # the positions' own hidden states matter: the same chain with them reversed differs
+    swapped = base + markov(prev, hidden[:, ::-1])
+    assert np.abs(np.asarray(out.logits - swapped)).max() > 1e-3
+
+
+def test_gated_markov_head_without_or_with_a_mis_shaped_hidden_is_rejected():
+    with pytest.raises(ValueError, match="hidden"):
+        propose(jax.random.key(0), _base(), _anchor(), GREEDY, markov=_gated_markov())
+    with pytest.raises(ValueError, match="hidden"):
+        propose(jax.random.key(0), _base(), _anchor(), GREEDY, markov=_gated_markov(), hidden=jnp.ones((B, G, D + 2)))

@@ -84,6 +84,34 @@ def test_train_command_records_more_data_the_lineage_of_init_and_renamed_paths(t
         main(["train", "--target", "tiny", "--more-data", str(tmp_path / "missing.npz"), "--out", str(out)])
 
 
+def test_train_command_grows_vanilla_drafters_gated_beside_their_ablation_and_records_the_variant(tmp_path):
+    import json
+
+    from jax_dspark.cli import main
+    from jax_dspark.train.data import save_sequences
+
+    data = tmp_path / "data.npz"
+    save_sequences(data, _random_data(seed=4, n=5, seq_len=512))
+    common = ["train", "--target", "tiny", "--data", str(data), "--steps", "1", "--batch-size", "2",
+              "--num-anchors", "2", "--block-size", "3", "--num-layers", "1", "--intermediate-size", "32"]
+    v, off = str(tmp_path / "v"), str(tmp_path / "off")
+    assert main(common + ["--markov-rank", "4", "0", "--out", v, off]) == 0
+    g, v2, off2 = str(tmp_path / "g"), str(tmp_path / "v2"), str(tmp_path / "off2")
+    assert main(common + ["--markov-rank", "4", "4", "0", "--markov-variant", "gated", "vanilla", "vanilla",
+                          "--init", v, v, off, "--out", g, v2, off2]) == 0
+    gated = json.loads((tmp_path / "g.json").read_text())
+    assert gated["config"]["markov_gate"] and "--markov-variant gated" in gated["command"]
+    assert load_drafter(g).markov_gate is not None
+    for name in ("v2", "off2"):
+        meta = json.loads((tmp_path / f"{name}.json").read_text())
+        assert not meta["config"]["markov_gate"] and "--markov-variant" not in meta["command"]
+    with pytest.raises(ValueError, match="markov-variant"):
+        main(common + ["--markov-rank", "0", "--markov-variant", "gated", "--out", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="markov-variant"):
+        main(common + ["--markov-rank", "4", "4", "0", "--markov-variant", "gated", "vanilla",
+                       "--out", g, v2, off2])
+
+
 @pytest.mark.parametrize("pair, match", [("no-equals", "'no-equals' is not GIVEN=RECORDED"),
                                          ("=x", "'=x' is not GIVEN"), ("other=x", r"\['other'\] is not a given")])
 def test_train_command_rejects_a_record_path_it_cannot_apply(tmp_path, pair, match):
@@ -152,9 +180,12 @@ def test_drafters_trained_together_need_one_block_size():
         train_many(target, pair, _random_data(), TrainConfig(steps=1))
 
 
-@pytest.mark.parametrize("factors", ["table", "embedding"])
-def test_saved_drafter_loads_with_the_bf16_rounded_weights(tmp_path, factors):
-    drafter = tiny_dspark(TINY, seed=5, block_size=3, num_layers=1, markov_rank=4, markov_factors=factors)
+@pytest.mark.parametrize("factors, gate", [("table", False), ("embedding", False), ("embedding", True)])
+def test_saved_drafter_loads_with_the_bf16_rounded_weights(tmp_path, factors, gate):
+    drafter = tiny_dspark(TINY, seed=5, block_size=3, num_layers=1, markov_rank=4, markov_factors=factors,
+                          markov_gate=gate)
+    if gate:  # a trained gate is not zero
+        drafter.markov_gate.w[...] = jax.random.normal(jax.random.key(6), drafter.markov_gate.w.shape)
     save_drafter(drafter, tmp_path / "d", {"command": "test"})
     loaded = load_drafter(tmp_path / "d")
     assert loaded.config == drafter.config
@@ -216,6 +247,11 @@ def test_init_continues_from_a_saved_drafter_grows_it_and_rejects_another_config
     grown = _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_rank=8), 0)
     assert grown.config.markov_rank == 8 and grown.markov.p1.shape == (TINY.hidden_size, 8)
     np.testing.assert_array_equal(np.asarray(grown.markov.p1[...])[:, :4], stored)
+
+    gated = _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_gate=True), 0)
+    assert gated.config.markov_gate and not np.any(np.asarray(gated.markov_gate.w[...]))
+    np.testing.assert_array_equal(np.asarray(gated.markov.p2[...]),
+                                  2 * np.asarray(drafter.markov.p2[...]).astype(ml_dtypes.bfloat16).astype(np.float32))
 
     with pytest.raises(ValueError, match="markov_rank"):
         _initial(str(tmp_path / "d"), dataclasses.replace(drafter.config, markov_rank=2), 0)

@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--markov-factors", nargs="+", choices=("table", "embedding"), default=["table"],
                    help="Markov head storage, one value for all or one per --markov-rank: 'table' (free "
                         "[V, r] tables) or 'embedding' (tied to the target's embedding through [d, r] maps)")
+    g.add_argument("--markov-variant", nargs="+", choices=("vanilla", "gated"), default=["vanilla"],
+                   help="Markov head form, one value for all or one per --markov-rank: 'vanilla' (W1[prev] W2^T) "
+                        "or 'gated' (DeepSpec's gated variant: W1[prev] gated by sigmoid([h; W1[prev]] W + b)); "
+                        "a drafter with --markov-rank 0 has no head and takes 'vanilla'")
     d = parser.add_argument_group("data")
     d.add_argument("--prompts", type=int, default=2400, help="prompts asked of train.prompts.training_prompts")
     d.add_argument("--prompt-seed", type=int, default=0)
@@ -141,11 +145,11 @@ def recorded_paths(pairs: list[str]) -> dict[str, str]:
 
 
 def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str, out: str,
-                      init: str | None = None) -> str:
+                      init: str | None = None, markov_variant: str = "vanilla") -> str:
     """The `jax-dspark train` command line that reruns one drafter's training with `steps`
     fixed (what a `--time-budget` run settled on). Options left at their defaults that
     older runs did not have (`--prompt-mix`, `--code-methods`, `--code-stubs`,
-    `--text-extended`, `--init`, `--more-data`) are omitted, so earlier commands stay what
+    `--text-extended`, `--init`, `--more-data`, `--markov-variant`) are omitted, so earlier commands stay what
     they were. `--more-data` files are named as given (each is reproduced by the command of
     the run that saved it), or as `--record-paths` renames them, like `--out` and `--init`."""
     rename = recorded_paths(args.record_paths)
@@ -165,6 +169,7 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
     parts += ["--block-size", args.block_size, "--num-layers", args.num_layers,
               "--intermediate-size", args.intermediate_size, "--markov-rank", markov_rank,
               "--markov-factors", markov_factors,
+              *(["--markov-variant", markov_variant] if markov_variant != "vanilla" else []),
               "--prompts", args.prompts, "--prompt-seed", args.prompt_seed,
               "--max-prompt-len", args.max_prompt_len, "--max-new-tokens", args.max_new_tokens,
               "--seq-len", args.seq_len, "--response-temperatures", *args.response_temperatures,
@@ -177,7 +182,8 @@ def reproduce_command(args, *, steps: int, markov_rank: int, markov_factors: str
 def _initial(init: str, config, seed: int):
     """The drafter `init` (stored form, float32) as a starting point; its config must be
     `config` (the one the command line asks for), except for a larger `markov_rank` and/or
-    `num_layers`: then the drafter grows without changing what it proposes
+    `num_layers`, or a gate on a vanilla Markov head: then the drafter grows without
+    changing what it proposes
     (`DSparkDrafter.grown`, new weights drawn from `seed`)."""
     import dataclasses
 
@@ -188,13 +194,14 @@ def _initial(init: str, config, seed: int):
     drafter = load_drafter(init, dtype=config.dtype)
     want, got = dataclasses.asdict(config), dataclasses.asdict(drafter.config)
     diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
-    growable = ("markov_rank", "num_layers")
+    growable = ("markov_rank", "num_layers", "markov_gate")
     if diff and set(diff) <= set(growable) and all(want[k] >= got[k] for k in diff):
         _log(f"--init {init}: grown " + ", ".join(f"{k} {got[k]} -> {want[k]}" for k in diff))
         return drafter.grown(rngs=nnx.Rngs(seed), **{k: want[k] for k in diff})
     if diff:
         raise ValueError(f"--init: {init!r} has another config than the command line asks for "
-                         f"(field: (stored, asked)): {diff}; only a larger --markov-rank / --num-layers can differ")
+                         f"(field: (stored, asked)): {diff}; only a larger --markov-rank / --num-layers or "
+                         f"--markov-variant gated over vanilla can differ")
     return drafter
 
 
@@ -224,6 +231,15 @@ def run(args: argparse.Namespace) -> int:
     if len(factors) != len(args.markov_rank):
         raise ValueError(f"--markov-factors: need one value, or one per --markov-rank {args.markov_rank} "
                          f"(got {args.markov_factors})")
+    variants = (args.markov_variant * len(args.markov_rank) if len(args.markov_variant) == 1
+                else args.markov_variant)
+    if len(variants) != len(args.markov_rank):
+        raise ValueError(f"--markov-variant: need one value, or one per --markov-rank {args.markov_rank} "
+                         f"(got {args.markov_variant})")
+    gateless = [r for r, v in zip(args.markov_rank, variants) if v == "gated" and r == 0]
+    if gateless:
+        raise ValueError(f"--markov-variant: 'gated' needs a Markov head; --markov-rank 0 has none "
+                         f"(ranks {args.markov_rank}, variants {variants})")
     inits = args.init or [None] * len(args.markov_rank)
     if len(inits) != len(args.markov_rank):
         raise ValueError(f"--init: need one drafter per --markov-rank {args.markov_rank} (got {args.init})")
@@ -260,20 +276,23 @@ def run(args: argparse.Namespace) -> int:
                         learning_rate=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                         seed=args.seed, time_budget_s=args.time_budget, log_every=args.log_every)
     drafters = []
-    for rank, factor, init in zip(args.markov_rank, factors, inits):
+    for rank, factor, variant, init in zip(args.markov_rank, factors, variants, inits):
         config = DSparkConfig.for_target(
             target.config, block_size=args.block_size, num_layers=args.num_layers,
-            intermediate_size=args.intermediate_size, markov_rank=rank, markov_factors=factor, dtype="float32")
+            intermediate_size=args.intermediate_size, markov_rank=rank, markov_factors=factor,
+            markov_gate=variant == "gated", dtype="float32")
         drafters.append(DSparkDrafter(config, rngs=nnx.Rngs(args.seed)) if init is None else _initial(init, config, args.seed))
     _log(f"compiled the joint step of {len(drafters)} drafters in {precompile(target, drafters, data, tconf):.1f} s")
-    _log("training " + ", ".join(f"markov_rank={r} ({f}) -> {o}" for r, f, o in zip(args.markov_rank, factors, args.out)))
+    _log("training " + ", ".join(f"markov_rank={r} ({f}, {v}) -> {o}"
+                                 for r, f, v, o in zip(args.markov_rank, factors, variants, args.out)))
     results = train_many(target, drafters, data, tconf, log=_log)
     summaries = []
-    for rank, factor, out, init, drafter, result in zip(args.markov_rank, factors, args.out, inits, drafters, results):
+    for rank, factor, variant, out, init, drafter, result in zip(args.markov_rank, factors, variants, args.out,
+                                                                  inits, drafters, results):
         meta = dict(
             target=description,
             command=reproduce_command(args, steps=result.steps, markov_rank=rank, markov_factors=factor, out=out,
-                                      init=init),
+                                      init=init, markov_variant=variant),
             training=dict(
                 steps=result.steps, train_s=round(result.train_s, 2), first_step_s=round(result.compile_s, 2),
                 device=jax.devices()[0].device_kind, jax=jax.__version__, python=sys.version.split()[0],

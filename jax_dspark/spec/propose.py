@@ -80,8 +80,8 @@ def propose(
       params: sampling parameters, the same as the target's (static).
       markov: Markov head, or None for a drafter without one (then `logits == base`).
         Its vocabulary may be smaller than `V` (columns beyond it get no bias).
-      hidden: `[B, g, d]` block hidden states the confidence head reads; required with
-        `confidence`.
+      hidden: `[B, g, d]` block hidden states the confidence head (and a gated Markov
+        head, `GatedMarkov`) reads; required with `confidence` or a gated head.
       confidence: confidence head, or None to skip scoring.
     Returns:
       `Proposal` (tokens, exact draft distributions, corrected logits, confidence logits).
@@ -94,12 +94,18 @@ def propose(
         _checks.fail("base_logits", "needs at least one draft position (g >= 1)", _checks.shape_of(base_logits))
     if markov is not None and markov.vocab_size > v:
         _checks.fail("markov", f"vocab_size must be <= the logits' vocab {v}", markov.vocab_size)
-    if confidence is not None:
-        if hidden is None:
-            _checks.fail("hidden", "required when a confidence head is given", None)
+    gated = markov is not None and markov.needs_hidden
+    if gated and hidden is None:
+        _checks.fail("hidden", "required by a gated Markov head", None)
+    if confidence is not None and hidden is None:
+        _checks.fail("hidden", "required when a confidence head is given", None)
+    if hidden is not None:
         hb = _checks.check_rank("hidden", hidden, 3, "[B, g, d]")
         if hb[:2] != (b, g):
             _checks.fail("hidden", f"leading dims must be ({b}, {g}) to match base_logits", hb)
+        if gated and hb[2] != markov.hidden_size:
+            _checks.fail("hidden", f"last dim must be the gated Markov head's hidden size {markov.hidden_size}", hb)
+    if confidence is not None:
         if confidence.markov_rank > 0 and markov is None:
             _checks.fail("markov", "required by a confidence head with markov_rank > 0", None)
         if markov is not None and confidence.markov_rank not in (0, markov.rank):
@@ -108,23 +114,24 @@ def propose(
 
     anchor = anchor.astype(jnp.int32)
 
-    def bias(prev: jax.Array) -> jax.Array:
-        out = markov(prev)
+    def bias(prev: jax.Array, hidden_k: jax.Array | None) -> jax.Array:
+        out = markov(prev, hidden_k) if gated else markov(prev)
         if out.shape[-1] < v:
             out = jnp.pad(out, ((0, 0), (0, v - out.shape[-1])))
         return out
 
     def step(prev, inputs):
-        base_k, key_k = inputs
+        base_k, key_k, hidden_k = inputs
         z = base_k.astype(jnp.float32)
         if markov is not None:
-            z = z + bias(prev)
+            z = z + bias(prev, hidden_k)
         # One process_logits serves both the draw and q, so the token is exactly a draw from q.
         x, q = draw_from_processed(key_k, process_logits(z, params), params)
         return x, (x, q, z)
 
     keys = jax.random.split(key, g)
-    _, (tokens, probs, logits) = jax.lax.scan(step, anchor, (jnp.swapaxes(base_logits, 0, 1), keys))
+    hiddens = jnp.swapaxes(hidden, 0, 1) if gated else None
+    _, (tokens, probs, logits) = jax.lax.scan(step, anchor, (jnp.swapaxes(base_logits, 0, 1), keys, hiddens))
     tokens = jnp.swapaxes(tokens, 0, 1)
     probs = jnp.swapaxes(probs, 0, 1)
     logits = jnp.swapaxes(logits, 0, 1)
