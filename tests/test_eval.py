@@ -123,6 +123,24 @@ def test_eval_command_json_has_the_issue_fields(tmp_path, capsys):
     assert "| set | 0 | dspark | 4 | 2 |" in (tmp_path / "a.md").read_text()
 
 
+def test_eval_command_repeats_every_run_per_seed_and_pairs_the_ratio_within_a_seed(tmp_path, capsys):
+    data = tmp_path / "set.jsonl"
+    data.write_text("\n".join(json.dumps({"turns": [f"tell me {i} things"]}) for i in range(2)))
+    parser = argparse.ArgumentParser()
+    eval_cmd.add_arguments(parser)
+    args = parser.parse_args(["--target", "tiny", "--dataset", str(data), "--limit", "2", "--temperature", "1",
+                              "--drafter", "dspark", "markov-off", "--no-baseline", "--max-new-tokens", "6",
+                              "--seed", "3", "4", "--json", "--commit", "abc"])
+    assert eval_cmd.run(args) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [(r["seed"], r["drafter"]) for r in runs] == [(3, "dspark"), (3, "markov-off"), (4, "dspark"), (4, "markov-off")]
+    for spark, off in (runs[:2], runs[2:]):
+        assert spark["ratio_vs_markov_off"] == pytest.approx(spark["acceptance_length"] / off["acceptance_length"])
+    # sampled answers differ between seeds (the seed reaches the draws)
+    assert (runs[0]["num_tokens"], runs[0]["rounds"], runs[0]["per_position_acceptance"]) != \
+        (runs[2]["num_tokens"], runs[2]["rounds"], runs[2]["per_position_acceptance"])
+
+
 def test_markdown_marks_the_gsm8k_and_markov_goals():
     def run(drafter, al):
         return dict(dataset="gsm8k", temperature=0.0, drafter=drafter, block=7, prompts=4, acceptance_length=al,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -48,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2")
     parser.add_argument("--dspark-path", default="smollm2_dspark")
     parser.add_argument("--markov-off-path", default="smollm2_markov_off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, nargs="+", default=[0],
+                        help="sampling seed(s); several repeat every run per seed in one process (each run "
+                             "records its seed; DSpark's ratio pairs it with the Markov-off run of the same seed)")
     parser.add_argument("--commit", help="commit id to record (default: git rev-parse --short HEAD)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", help="write the report JSON here")
@@ -135,36 +138,35 @@ def run(args: argparse.Namespace) -> int:
         _log(f"compiled {len(drafters) * len(args.temperature)} engines for batch {batch}, width {width} "
              f"in {seconds:.1f} s")
     runs: list[dict[str, Any]] = []
-    for temp in args.temperature:
-        for name, prompts in sets.items():
-            results = {}
-            for drafter_name, drafter in drafters.items():
-                r = measure_acceptance(target, drafter, prompts, max_new_tokens=args.max_new_tokens,
-                                       temperature=temp, eos_ids=eos, batch_size=args.batch_size,
-                                       width=width, seed=args.seed)
-                results[drafter_name] = r
-                _log(f"{name} T={temp} {drafter_name}: AL {r.acceptance_length:.3f}, "
-                     f"{r.tokens_per_s:.1f} tok/s ({r.num_tokens} tokens, compile {r.compile_s:.1f} s)")
-            base = results.get("none")
-            for drafter_name, r in results.items():  # the baseline too: it was measured
-                drafter = drafters[drafter_name]
-                runs.append(dict(
-                    dataset=name, temperature=temp, drafter=drafter_name,
-                    block=0 if drafter is None else int(drafter.block_size),
-                    prompts=r.prompts, acceptance_length=r.acceptance_length,
-                    per_position_acceptance=r.per_position_acceptance,
-                    conditional_acceptance=r.conditional_acceptance,
-                    tokens_per_s=r.tokens_per_s,
-                    baseline_tokens_per_s=None if base is None else base.tokens_per_s,
-                    num_tokens=r.num_tokens, rounds=r.rounds, max_new_tokens=args.max_new_tokens,
-                    batch_size=args.batch_size or r.prompts,
-                ))
-                if drafter is not None:
-                    runs[-1]["acceptance_length_ci95"] = list(acceptance_interval(r, seed=args.seed))
-                off = results.get("markov-off")
-                if drafter_name == "dspark" and off is not None and off.acceptance_length > 0:
-                    runs[-1]["ratio_vs_markov_off"] = r.acceptance_length / off.acceptance_length
-                    runs[-1]["ratio_vs_markov_off_ci95"] = list(acceptance_interval(r, off, seed=args.seed))
+    for seed, temp, (name, prompts) in itertools.product(args.seed, args.temperature, sets.items()):
+        results = {}
+        for drafter_name, drafter in drafters.items():
+            r = measure_acceptance(target, drafter, prompts, max_new_tokens=args.max_new_tokens,
+                                   temperature=temp, eos_ids=eos, batch_size=args.batch_size,
+                                   width=width, seed=seed)
+            results[drafter_name] = r
+            _log(f"{name} T={temp} seed {seed} {drafter_name}: AL {r.acceptance_length:.3f}, "
+                 f"{r.tokens_per_s:.1f} tok/s ({r.num_tokens} tokens, compile {r.compile_s:.1f} s)")
+        base = results.get("none")
+        for drafter_name, r in results.items():  # the baseline too: it was measured
+            drafter = drafters[drafter_name]
+            runs.append(dict(
+                dataset=name, temperature=temp, drafter=drafter_name,
+                block=0 if drafter is None else int(drafter.block_size),
+                prompts=r.prompts, acceptance_length=r.acceptance_length,
+                per_position_acceptance=r.per_position_acceptance,
+                conditional_acceptance=r.conditional_acceptance,
+                tokens_per_s=r.tokens_per_s,
+                baseline_tokens_per_s=None if base is None else base.tokens_per_s,
+                num_tokens=r.num_tokens, rounds=r.rounds, max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size or r.prompts, seed=seed,
+            ))
+            if drafter is not None:
+                runs[-1]["acceptance_length_ci95"] = list(acceptance_interval(r, seed=seed))
+            off = results.get("markov-off")
+            if drafter_name == "dspark" and off is not None and off.acceptance_length > 0:
+                runs[-1]["ratio_vs_markov_off"] = r.acceptance_length / off.acceptance_length
+                runs[-1]["ratio_vs_markov_off_ci95"] = list(acceptance_interval(r, off, seed=seed))
     report = dict(gpu=gpu, commit=_commit(args.commit),
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                   target=args.target, jax=jax.__version__, runs=runs)
@@ -193,7 +195,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     1.1x the Markov-off ablation's acceptance length on every set and temperature.
     """
     runs = report["runs"]
-    by_key = {(r["dataset"], r["temperature"], r["drafter"]): r for r in runs}
+    by_key = {(r["dataset"], r["temperature"], r["drafter"], r.get("seed")): r for r in runs}
     lines = [f"Device: {report['gpu']}; commit {report['commit']}; {report['date']}.", "",
              "| dataset | T | drafter | block | prompts | acceptance length | per-position acceptance | "
              "tokens/s | baseline tokens/s | speed-up | goal | met |",
@@ -201,7 +203,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     for r in runs:
         goal, met = "", ""
         if r["drafter"] == "dspark":
-            off = by_key.get((r["dataset"], r["temperature"], "markov-off"))
+            off = by_key.get((r["dataset"], r["temperature"], "markov-off", r.get("seed")))
             goals = []
             if off is not None and off["acceptance_length"] > 0:
                 ratio = r["acceptance_length"] / off["acceptance_length"]
