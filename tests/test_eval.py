@@ -95,15 +95,20 @@ def test_greedy_speculative_answers_equal_plain_answers(target):
     assert spec.outputs == plain.outputs
 
 
-def test_eval_command_json_has_the_issue_fields(tmp_path, capsys):
+def _run_eval(tmp_path, *options: str) -> int:
+    """`jax-dspark eval` on the tiny target over a 3-prompt set, first 2 prompts, both drafters."""
     data = tmp_path / "set.jsonl"
     data.write_text("\n".join(json.dumps({"turns": [f"question {i} about numbers"]}) for i in range(3)))
     parser = argparse.ArgumentParser()
     eval_cmd.add_arguments(parser)
-    args = parser.parse_args(["--target", "tiny", "--dataset", str(data), "--limit", "2", "--temperature", "0",
-                              "--drafter", "dspark", "markov-off", "--max-new-tokens", "6", "--json", "--commit", "abc",
-                              "--out", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "a.md")])
-    assert eval_cmd.run(args) == 0
+    return eval_cmd.run(parser.parse_args(["--target", "tiny", "--dataset", str(data), "--limit", "2",
+                                           "--drafter", "dspark", "markov-off", "--max-new-tokens", "6",
+                                           "--json", "--commit", "abc", *options]))
+
+
+def test_eval_command_json_has_the_issue_fields(tmp_path, capsys):
+    assert _run_eval(tmp_path, "--temperature", "0", "--out", str(tmp_path / "a.json"),
+                     "--markdown", str(tmp_path / "a.md")) == 0
     report = json.loads(capsys.readouterr().out)
     assert {"gpu", "commit", "date", "runs"} <= set(report) and report["commit"] == "abc"
     run, off, base = report["runs"]  # the plain-decoding baseline is measured, so it is reported too
@@ -124,14 +129,7 @@ def test_eval_command_json_has_the_issue_fields(tmp_path, capsys):
 
 
 def test_eval_command_repeats_every_run_per_seed_and_pairs_the_ratio_within_a_seed(tmp_path, capsys):
-    data = tmp_path / "set.jsonl"
-    data.write_text("\n".join(json.dumps({"turns": [f"tell me {i} things"]}) for i in range(2)))
-    parser = argparse.ArgumentParser()
-    eval_cmd.add_arguments(parser)
-    args = parser.parse_args(["--target", "tiny", "--dataset", str(data), "--limit", "2", "--temperature", "1",
-                              "--drafter", "dspark", "markov-off", "--no-baseline", "--max-new-tokens", "6",
-                              "--seed", "3", "4", "--json", "--commit", "abc"])
-    assert eval_cmd.run(args) == 0
+    assert _run_eval(tmp_path, "--temperature", "1", "--no-baseline", "--seed", "3", "4") == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [(r["seed"], r["drafter"]) for r in runs] == [(3, "dspark"), (3, "markov-off"), (4, "dspark"), (4, "markov-off")]
     for spark, off in (runs[:2], runs[2:]):
