@@ -9,7 +9,8 @@ to the requested dtype, so the numbers a loaded drafter produces are those of th
 weights on every machine.
 
 Shipped:
-- `smollm2_dspark`: standalone DSpark drafter for SmolLM2-135M-Instruct (Markov head on).
+- `smollm2_dspark`: standalone DSpark drafter for SmolLM2-135M-Instruct (Markov head on,
+  embedding-tied, gated since run 8 of docs/training.md).
 - `smollm2_markov_off`: the same recipe with `markov_rank = 0` (the DFlash-like ablation).
 """
 
