@@ -255,7 +255,8 @@ class DSparkDrafter(nnx.Module):
     Parameters: `fc [C*d, d]` and `hidden_norm [d]` (context projection), `layers.<name>`
     (stacked blocks, `LAYER_PARAMS`), `final_norm [d]`, `markov` (`MarkovHead`, or
     `EmbeddingMarkovHead` with `markov_factors="embedding"`; absent when `markov_rank = 0`),
-    `markov_gate` (`MarkovGate`, only with `markov_gate=True`) and `confidence` (`ConfidenceHead` over `[h; W1[prev]]`).
+    `markov_gate` (`MarkovGate`, only with `markov_gate=True`) and `confidence`
+    (`ConfidenceHead` over `[h; W1[prev]]`).
 
     Per layer, the context features are projected by the SAME `wk`/`wv` as the block rows
     (after `k_norm` and RoPE at their own positions); the layer's input norm applies to the

@@ -115,7 +115,7 @@ def propose(
     anchor = anchor.astype(jnp.int32)
 
     def bias(prev: jax.Array, hidden_k: jax.Array | None) -> jax.Array:
-        out = markov(prev, hidden_k) if gated else markov(prev)
+        out = markov(prev, hidden_k)   # hidden_k is None unless the head is gated
         if out.shape[-1] < v:
             out = jnp.pad(out, ((0, 0), (0, v - out.shape[-1])))
         return out

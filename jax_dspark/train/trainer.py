@@ -160,7 +160,7 @@ def drafter_loss(
     prev_embedding = None
     markov = drafter.markov_head(target)
     if markov is not None:
-        draft = draft + (markov(prev, h) if markov.needs_hidden else markov(prev))
+        draft = draft + markov(prev, h)   # a vanilla head ignores h, a gated one reads it
         prev_embedding = markov.embed(prev)
     confidence = drafter.confidence(h, prev_embedding)
     t_pos = jnp.clip(pos[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :], 0, s - 1)
