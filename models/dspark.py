@@ -345,6 +345,9 @@ class DSparkDrafter(nnx.Module):
         block adds nothing to the residual stream (and the final norm sees what it saw)
         until training moves them.
 
+        A gated head growing its rank keeps its gate on the old directions (zero weights
+        from the new ones) and gates the new ones at 1/2.
+
         Vanilla -> gated Markov head (`markov_gate=True`): the gate starts at zero weights,
         i.e. 1/2 everywhere, and the head's logit factor (`w2` / `p2`) is doubled, so
         `(1/2 * e) (2 W2)^T` is the old bias exactly (DeepSpec's gated form, eq. 6, with
@@ -389,6 +392,14 @@ class DSparkDrafter(nnx.Module):
             second = "p2" if config.markov_factors == "embedding" else "w2"
             values["markov"][second] = 2 * values["markov"][second]
             values["markov_gate"] = fresh["markov_gate"]
+        elif gate and rank > cfg.markov_rank:
+            # A gated head growing its rank: the old gate keeps its outputs (the new `e`
+            # inputs get zero weights) and the new directions' gates start at 1/2; their
+            # logit factor is zero, so the bias is unchanged.
+            d, cur, old = cfg.hidden_size, cfg.markov_rank, values["markov_gate"]
+            w = jnp.zeros_like(fresh["markov_gate"]["w"])
+            w = w.at[:d, :cur].set(old["w"][:d]).at[d:d + cur, :cur].set(old["w"][d:])
+            values["markov_gate"] = {"w": w, "b": jnp.zeros_like(fresh["markov_gate"]["b"]).at[:cur].set(old["b"])}
         return _with_params(new, values)
 
     # -- state ---------------------------------------------------------------------------

@@ -280,6 +280,16 @@ def test_gate_growth_keeps_what_the_drafter_proposes_until_the_gate_moves(llama_
     assert np.abs(after - before).max() > 1e-3
 
 
+@pytest.mark.parametrize("factors", ["embedding", "table"])
+def test_rank_growth_of_a_gated_drafter_keeps_what_it_proposes(llama_target, factors):
+    gated = tiny_dspark(llama_target.config, seed=17, markov_rank=4, markov_factors=factors, markov_gate=True)
+    gated.markov_gate.w[...] = jax.random.normal(jax.random.key(18), gated.markov_gate.w.shape)
+    gated.markov_gate.b[...] = jax.random.normal(jax.random.key(19), gated.markov_gate.b.shape)
+    grown = gated.grown(markov_rank=7, rngs=nnx.Rngs(6))
+    assert grown.markov_gate.w.shape == (llama_target.config.hidden_size + 7, 7)
+    _assert_same_drafts(gated, grown, llama_target, seed=20, counts=[5, 8], tol=1e-5)
+
+
 def test_gated_drafter_is_lossless_and_drafts_the_same_with_materialised_tables(llama_target, greedy_errors):
     drafter = tiny_dspark(llama_target.config, seed=14, markov_rank=8, markov_factors="embedding", markov_gate=True)
     drafter.markov_gate.w[...] = jax.random.normal(jax.random.key(15), drafter.markov_gate.w.shape)
