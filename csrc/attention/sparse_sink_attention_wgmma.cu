@@ -709,46 +709,108 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory"); }
 
-// The producers' side for pools that may hold FP8 rows: the lockstep kernel's gather and
-// in-place expansion (gather_tile, expand_fp8_row), 128 threads doing what 256 do there, so
-// thread pt owns rows pt / 4 and pt / 4 + 32 of a tile at chunk phase pt % 4. A tile is
-// announced only once its FP8 rows are expanded, so the consumers' tile math is the bf16
-// one; the expansion runs while they compute the tile before.
+// The producers' side for pools that may hold FP8 rows. Thread pt owns rows pt / 4 and
+// pt / 4 + 32 of a tile at phase pt % 4: the 16-byte e4m3 pieces phase + 4 i (i < 7, dims
+// 16 (phase + 4 i) .. + 15, scale block i) and RoPE chunks 2 phase, 2 phase + 1, which land
+// as the tile's bf16 chunks 8 i + 2 phase and 8 i + 2 phase + 1 (i < 8). An FP8 row is
+// loaded into registers (Fp8RowRegs) a whole tile before its stage is free, then expanded
+// straight into the stage, so neither the DRAM latency nor a shared-memory staging round
+// trip sits between the consumers' release of a stage and its next tile: the gather of
+// tile t + 1 flies while the consumers compute tile t - 1 and the expansion of tile t runs.
+// bf16 rows of a mixed call take cp.async into the stage (their bytes do not fit registers),
+// masked rows zeros. A tile is announced once its FP8 rows are expanded, so the consumers'
+// tile math is the bf16 one.
+struct Fp8RowRegs {
+  uint4 nope[kNopeChunks / 8];  // 7 pieces of 16 e4m3 values
+  uint2 scale;
+  int idx;  // the row's index in its pool, -1 when masked
+  int fp8;  // whether its pool holds FP8 rows
+};
+
+__device__ __forceinline__ Fp8RowRegs load_fp8_producer_row(const SparseSinkAttentionParams& p, bool in_main, int phase,
+                                                            int idx) {
+  Fp8RowRegs r{};
+  r.idx = idx;
+  r.fp8 = idx >= 0 && (in_main ? p.main_fp8 : p.extra_fp8) != 0;
+  if (r.fp8) {
+    const uint4* nope = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) +
+                                                       int64_t(idx) * kAttnNopeDim);
+#pragma unroll
+    for (int i = 0; i < kNopeChunks / 8; ++i) r.nope[i] = __ldg(nope + phase + 4 * i);
+    r.scale = __ldg(reinterpret_cast<const uint2*>((in_main ? p.main_scale : p.extra_scale) + int64_t(idx) * kAttnScaleBytes));
+  }
+  return r;
+}
+
+// Row `row` of the stage at `base` from what load_fp8_producer_row kept (flag into `valid`).
+__device__ __forceinline__ void store_fp8_producer_row(const SparseSinkAttentionParams& p, const Fp8RowRegs& r,
+                                                       bool in_main, uint8_t* base, uint8_t* valid, int row, int phase) {
+  if (r.fp8) {
+#pragma unroll
+    for (int i = 0; i < kNopeChunks / 8; ++i) {
+      const uint32_t byte = ((i < 4 ? r.scale.x : r.scale.y) >> (8 * (i & 3))) & 0xFFu;
+      const float sc = ue8m0_scale(byte);
+      const uint4 v = r.nope[i];
+      *reinterpret_cast<uint4*>(base + chunk_offset(row, 8 * i + 2 * phase)) =
+          make_uint4(e4m3x2_to_bf16x2(v.x, sc), e4m3x2_to_bf16x2(v.x >> 16, sc), e4m3x2_to_bf16x2(v.y, sc),
+                     e4m3x2_to_bf16x2(v.y >> 16, sc));
+      *reinterpret_cast<uint4*>(base + chunk_offset(row, 8 * i + 2 * phase + 1)) =
+          make_uint4(e4m3x2_to_bf16x2(v.z, sc), e4m3x2_to_bf16x2(v.z >> 16, sc), e4m3x2_to_bf16x2(v.w, sc),
+                     e4m3x2_to_bf16x2(v.w >> 16, sc));
+    }
+    const uint8_t* rope =
+        static_cast<const uint8_t*>(in_main ? p.main_rope : p.extra_rope) + int64_t(r.idx) * (2 * kAttnRopeDim);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      cp_async_16(smem_addr(base + chunk_offset(row, kNopeChunks + 2 * phase + h)), rope + (2 * phase + h) * 16);
+  } else if (r.idx >= 0) {  // a bf16 row of a mixed call
+    const uint8_t* src = static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(r.idx) * (D * 2);
+#pragma unroll
+    for (int i = 0; i < kChunks / 2; ++i) {
+      const int chunk = 8 * (i >> 1) + 2 * phase + (i & 1);
+      cp_async_16(smem_addr(base + chunk_offset(row, chunk)), src + chunk * 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunks / 2; ++i)
+      *reinterpret_cast<uint4*>(base + chunk_offset(row, 8 * (i >> 1) + 2 * phase + (i & 1))) = make_uint4(0, 0, 0, 0);
+  }
+  if (phase == 0) valid[row] = r.idx >= 0;
+}
+
 __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParams& p, uint8_t* smem,
                                                   const AttnWorkItem& item, int pt) {
   const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
   const int64_t bs = item.bs;
   const int row0 = pt >> 2, phase = pt & 3;
-  int idx[2] = {-1, -1};
-  IssuedRow issued[2] = {{false, make_uint2(0u, 0u)}, {false, make_uint2(0u, 0u)}};
-  auto load_indices = [&](int t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) idx[r] = t < ntiles ? row_index(p, t, key_begin, key_end, bs, row0 + 32 * r) : -1;
-  };
-  auto issue = [&](int t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) issued[r] = gather_tile<true>(p, smem, t, key_begin, key_end, row0 + 32 * r, phase, idx[r]);
-    cp_async_commit();
-    load_indices(t + 1);
-  };
-  auto land_and_announce = [&](int t) {  // the only group in flight is tile t's
-    cp_async_wait<0>();
+  int idx[2];
+  Fp8RowRegs held[2];
+  auto in_main = [&](int t, int r) { return key_begin + t * BK + row0 + 32 * r < p.k_main; };
+  auto load_indices = [&](int t) {  // -1 for a masked row (outside its pool, or past the split)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      if (issued[r].fp8) expand_fp8_row(smem + kOffKV + (t & 1) * kTileBytes, row0 + 32 * r, phase, issued[r].scale);
-    fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
-    named_barrier_arrive(kFullBar + (t & 1), kWsThreads);
+      idx[r] = t < ntiles ? effective_index(p, key_begin + t * BK + row0 + 32 * r, key_end, bs) : -1;
+  };
+  auto load_rows = [&](int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) held[r] = load_fp8_producer_row(p, in_main(t, r), phase, idx[r]);
   };
   load_indices(0);
-  issue(0);  // with the Q block's group, issued by the caller before
-  land_and_announce(0);
-  if (ntiles > 1) issue(1);
-  for (int t = 0; t + 1 < ntiles; ++t) {
-    land_and_announce(t + 1);
-    if (t + 2 < ntiles) {
-      named_barrier_sync(kEmptyBar + (t & 1), kWsThreads);
-      issue(t + 2);
-    }
+  load_rows(0);
+  load_indices(1);
+  for (int t = 0; t < ntiles; ++t) {
+    const int stage = t & 1;
+    if (t >= 2) named_barrier_sync(kEmptyBar + stage, kWsThreads);  // the consumers are done with tile t - 2
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      store_fp8_producer_row(p, held[r], in_main(t, r), smem + kOffKV + stage * kTileBytes, smem + kOffValid + stage * BK,
+                             row0 + 32 * r, phase);
+    cp_async_commit();  // RoPE dims, bf16 rows of a mixed call (and, at t = 0, the caller's Q block)
+    if (t + 1 < ntiles) load_rows(t + 1);  // in flight while the consumers finish tile t - 1 and compute tile t
+    cp_async_wait<0>();
+    fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
+    named_barrier_arrive(kFullBar + stage, kWsThreads);
+    if (t + 1 < ntiles) load_indices(t + 2);  // after the announcement: the range check waits for the load
   }
 }
 
