@@ -670,8 +670,8 @@ static_assert(kEmptyBar + 1 < kEpilogueBar && kEpilogueBar < 16, "named barrier 
 // 14 staged chunks while expanding it; ptxas spills there at 56 (100 bytes) and 80 (4 bytes),
 // not at 96.
 constexpr int kLaunchRegs = 168;
-template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 96 : 40;
-template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 200 : 232;
+template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 120 : 40;
+template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 184 : 232;
 static_assert(128 * kProducerRegs<false> + kThreads * kConsumerRegs<false> <= kWsThreads * kLaunchRegs,
               "register pool of the setmaxnreg split (bf16)");
 static_assert(128 * kProducerRegs<true> + kThreads * kConsumerRegs<true> <= kWsThreads * kLaunchRegs,
@@ -722,22 +722,30 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 // tile math is the bf16 one.
 struct Fp8RowRegs {
   uint4 nope[kNopeChunks / 8];  // 7 pieces of 16 e4m3 values
+  uint4 rope[2];                // RoPE chunks 2 phase, 2 phase + 1 (bf16)
   uint2 scale;
   int idx;  // the row's index in its pool, -1 when masked
   int fp8;  // whether its pool holds FP8 rows
 };
 
+// `raw`: row_index's value (-1 past the split), loaded a tile earlier; checked here, so the
+// check does not wait for the index load.
 __device__ __forceinline__ Fp8RowRegs load_fp8_producer_row(const SparseSinkAttentionParams& p, bool in_main, int phase,
-                                                            int idx) {
+                                                            int raw) {
   Fp8RowRegs r{};
-  r.idx = idx;
-  r.fp8 = idx >= 0 && (in_main ? p.main_fp8 : p.extra_fp8) != 0;
+  r.idx = raw >= 0 && raw < (in_main ? p.n_main : p.n_extra) ? raw : -1;
+  r.fp8 = r.idx >= 0 && (in_main ? p.main_fp8 : p.extra_fp8) != 0;
   if (r.fp8) {
+    const int64_t idx = r.idx;
     const uint4* nope = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) +
-                                                       int64_t(idx) * kAttnNopeDim);
+                                                       idx * kAttnNopeDim);
+    const uint4* rope = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(in_main ? p.main_rope : p.extra_rope) +
+                                                       idx * (2 * kAttnRopeDim));
 #pragma unroll
     for (int i = 0; i < kNopeChunks / 8; ++i) r.nope[i] = __ldg(nope + phase + 4 * i);
-    r.scale = __ldg(reinterpret_cast<const uint2*>((in_main ? p.main_scale : p.extra_scale) + int64_t(idx) * kAttnScaleBytes));
+    r.rope[0] = __ldg(rope + 2 * phase);
+    r.rope[1] = __ldg(rope + 2 * phase + 1);
+    r.scale = __ldg(reinterpret_cast<const uint2*>((in_main ? p.main_scale : p.extra_scale) + idx * kAttnScaleBytes));
   }
   return r;
 }
@@ -758,21 +766,18 @@ __device__ __forceinline__ void store_fp8_producer_row(const SparseSinkAttention
           make_uint4(e4m3x2_to_bf16x2(v.z, sc), e4m3x2_to_bf16x2(v.z >> 16, sc), e4m3x2_to_bf16x2(v.w, sc),
                      e4m3x2_to_bf16x2(v.w >> 16, sc));
     }
-    const uint8_t* rope =
-        static_cast<const uint8_t*>(in_main ? p.main_rope : p.extra_rope) + int64_t(r.idx) * (2 * kAttnRopeDim);
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      cp_async_16(smem_addr(base + chunk_offset(row, kNopeChunks + 2 * phase + h)), rope + (2 * phase + h) * 16);
+    *reinterpret_cast<uint4*>(base + chunk_offset(row, kNopeChunks + 2 * phase)) = r.rope[0];
+    *reinterpret_cast<uint4*>(base + chunk_offset(row, kNopeChunks + 2 * phase + 1)) = r.rope[1];
   } else if (r.idx >= 0) {  // a bf16 row of a mixed call
     const uint8_t* src = static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(r.idx) * (D * 2);
 #pragma unroll
-    for (int i = 0; i < kChunks / 2; ++i) {
+    for (int i = 0; i < kChunksPerThread; ++i) {
       const int chunk = 8 * (i >> 1) + 2 * phase + (i & 1);
       cp_async_16(smem_addr(base + chunk_offset(row, chunk)), src + chunk * 16);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kChunks / 2; ++i)
+    for (int i = 0; i < kChunksPerThread; ++i)
       *reinterpret_cast<uint4*>(base + chunk_offset(row, 8 * (i >> 1) + 2 * phase + (i & 1))) = make_uint4(0, 0, 0, 0);
   }
   if (phase == 0) valid[row] = r.idx >= 0;
@@ -786,10 +791,9 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
   int idx[2];
   Fp8RowRegs held[2];
   auto in_main = [&](int t, int r) { return key_begin + t * BK + row0 + 32 * r < p.k_main; };
-  auto load_indices = [&](int t) {  // -1 for a masked row (outside its pool, or past the split)
+  auto load_indices = [&](int t) {  // raw: checked by load_fp8_producer_row a tile later
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      idx[r] = t < ntiles ? effective_index(p, key_begin + t * BK + row0 + 32 * r, key_end, bs) : -1;
+    for (int r = 0; r < 2; ++r) idx[r] = t < ntiles ? row_index(p, t, key_begin, key_end, bs, row0 + 32 * r) : -1;
   };
   auto load_rows = [&](int t) {
 #pragma unroll
@@ -805,12 +809,12 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
     for (int r = 0; r < 2; ++r)
       store_fp8_producer_row(p, held[r], in_main(t, r), smem + kOffKV + stage * kTileBytes, smem + kOffValid + stage * BK,
                              row0 + 32 * r, phase);
-    cp_async_commit();  // RoPE dims, bf16 rows of a mixed call (and, at t = 0, the caller's Q block)
+    cp_async_commit();  // bf16 rows of a mixed call (and, at t = 0, the caller's Q block)
     if (t + 1 < ntiles) load_rows(t + 1);  // in flight while the consumers finish tile t - 1 and compute tile t
     cp_async_wait<0>();
     fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
     named_barrier_arrive(kFullBar + stage, kWsThreads);
-    if (t + 1 < ntiles) load_indices(t + 2);  // after the announcement: the range check waits for the load
+    if (t + 1 < ntiles) load_indices(t + 2);
   }
 }
 
