@@ -670,8 +670,13 @@ static_assert(kEmptyBar + 1 < kEpilogueBar && kEpilogueBar < 16, "named barrier 
 // 14 staged chunks while expanding it; ptxas spills there at 56 (100 bytes) and 80 (4 bytes),
 // not at 96.
 constexpr int kLaunchRegs = 168;
-template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 120 : 40;
-template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 184 : 232;
+#ifdef JAX_DSPARK_FP8_PREFETCH_PRODUCERS  // two rows' e4m3 bytes, RoPE dims and scales held a tile ahead
+template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 112 : 40;
+template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 192 : 232;
+#else
+template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 96 : 40;
+template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 200 : 232;
+#endif
 static_assert(128 * kProducerRegs<false> + kThreads * kConsumerRegs<false> <= kWsThreads * kLaunchRegs,
               "register pool of the setmaxnreg split (bf16)");
 static_assert(128 * kProducerRegs<true> + kThreads * kConsumerRegs<true> <= kWsThreads * kLaunchRegs,
@@ -709,6 +714,9 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory"); }
 
+#ifdef JAX_DSPARK_FP8_PREFETCH_PRODUCERS
+// Candidate (cmake -DJAX_DSPARK_FP8_PREFETCH_PRODUCERS=ON; written 2026-12-06, not yet run on a
+// GPU in this form: docs/kernels.md, "FP8 producers loading rows into registers").
 // The producers' side for pools that may hold FP8 rows. Thread pt owns rows pt / 4 and
 // pt / 4 + 32 of a tile at phase pt % 4: the 16-byte e4m3 pieces phase + 4 i (i < 7, dims
 // 16 (phase + 4 i) .. + 15, scale block i) and RoPE chunks 2 phase, 2 phase + 1, which land
@@ -817,6 +825,50 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
     if (t + 1 < ntiles) load_indices(t + 2);
   }
 }
+#else
+// The producers' side for pools that may hold FP8 rows: the lockstep kernel's gather and
+// in-place expansion (gather_tile, expand_fp8_row), 128 threads doing what 256 do there, so
+// thread pt owns rows pt / 4 and pt / 4 + 32 of a tile at chunk phase pt % 4. A tile is
+// announced only once its FP8 rows are expanded, so the consumers' tile math is the bf16
+// one; the expansion runs while they compute the tile before.
+__device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParams& p, uint8_t* smem,
+                                                  const AttnWorkItem& item, int pt) {
+  const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
+  const int64_t bs = item.bs;
+  const int row0 = pt >> 2, phase = pt & 3;
+  int idx[2] = {-1, -1};
+  IssuedRow issued[2] = {{false, make_uint2(0u, 0u)}, {false, make_uint2(0u, 0u)}};
+  auto load_indices = [&](int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) idx[r] = t < ntiles ? row_index(p, t, key_begin, key_end, bs, row0 + 32 * r) : -1;
+  };
+  auto issue = [&](int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) issued[r] = gather_tile<true>(p, smem, t, key_begin, key_end, row0 + 32 * r, phase, idx[r]);
+    cp_async_commit();
+    load_indices(t + 1);
+  };
+  auto land_and_announce = [&](int t) {  // the only group in flight is tile t's
+    cp_async_wait<0>();
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (issued[r].fp8) expand_fp8_row(smem + kOffKV + (t & 1) * kTileBytes, row0 + 32 * r, phase, issued[r].scale);
+    fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
+    named_barrier_arrive(kFullBar + (t & 1), kWsThreads);
+  };
+  load_indices(0);
+  issue(0);  // with the Q block's group, issued by the caller before
+  land_and_announce(0);
+  if (ntiles > 1) issue(1);
+  for (int t = 0; t + 1 < ntiles; ++t) {
+    land_and_announce(t + 1);
+    if (t + 2 < ntiles) {
+      named_barrier_sync(kEmptyBar + (t & 1), kWsThreads);
+      issue(t + 2);
+    }
+  }
+}
+#endif  // JAX_DSPARK_FP8_PREFETCH_PRODUCERS
 
 // Where the producers leave: at once, or (kCluster) after taking part in the consumers' two
 // cluster syncs of finish_rows, which every thread of the cluster joins.
