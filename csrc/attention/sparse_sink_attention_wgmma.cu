@@ -723,8 +723,8 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 // as the tile's bf16 chunks 8 i + 2 phase and 8 i + 2 phase + 1 (i < 8). An FP8 row is
 // loaded into registers (Fp8RowRegs) a whole tile before its stage is free, then expanded
 // straight into the stage, so neither the DRAM latency nor a shared-memory staging round
-// trip sits between the consumers' release of a stage and its next tile: the gather of
-// tile t + 1 flies while the consumers compute tile t - 1 and the expansion of tile t runs.
+// trip sits between the consumers' release of a stage and its next tile: tile t + 1's loads
+// are issued as soon as tile t is expanded and have the consumers' whole tile t - 1 to land.
 // bf16 rows of a mixed call take cp.async into the stage (their bytes do not fit registers),
 // masked rows zeros. A tile is announced once its FP8 rows are expanded, so the consumers'
 // tile math is the bf16 one.
@@ -764,15 +764,11 @@ __device__ __forceinline__ void store_fp8_producer_row(const SparseSinkAttention
   if (r.fp8) {
 #pragma unroll
     for (int i = 0; i < kNopeChunks / 8; ++i) {
-      const uint32_t byte = ((i < 4 ? r.scale.x : r.scale.y) >> (8 * (i & 3))) & 0xFFu;
-      const float sc = ue8m0_scale(byte);
-      const uint4 v = r.nope[i];
+      const uint4 v = r.nope[i];  // two 8-value chunks of scale block i (expanded_chunk's 2i, 2i + 1)
       *reinterpret_cast<uint4*>(base + chunk_offset(row, 8 * i + 2 * phase)) =
-          make_uint4(e4m3x2_to_bf16x2(v.x, sc), e4m3x2_to_bf16x2(v.x >> 16, sc), e4m3x2_to_bf16x2(v.y, sc),
-                     e4m3x2_to_bf16x2(v.y >> 16, sc));
+          expanded_chunk(make_uint2(v.x, v.y), r.scale, 2 * i);
       *reinterpret_cast<uint4*>(base + chunk_offset(row, 8 * i + 2 * phase + 1)) =
-          make_uint4(e4m3x2_to_bf16x2(v.z, sc), e4m3x2_to_bf16x2(v.z >> 16, sc), e4m3x2_to_bf16x2(v.w, sc),
-                     e4m3x2_to_bf16x2(v.w >> 16, sc));
+          expanded_chunk(make_uint2(v.z, v.w), r.scale, 2 * i + 1);
     }
     *reinterpret_cast<uint4*>(base + chunk_offset(row, kNopeChunks + 2 * phase)) = r.rope[0];
     *reinterpret_cast<uint4*>(base + chunk_offset(row, kNopeChunks + 2 * phase + 1)) = r.rope[1];
