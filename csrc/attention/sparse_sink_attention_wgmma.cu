@@ -702,11 +702,15 @@ __device__ __forceinline__ void issue_rows(uint32_t dst, const uint8_t* main, co
 }
 
 // Row index of list position j for the producers, -1 where the row is masked.
+// A list entry as a row index of its pool, -1 where it is outside [0, n).
+__device__ __forceinline__ int checked_index(const SparseSinkAttentionParams& p, bool in_main, int idx) {
+  return idx >= 0 && idx < (in_main ? p.n_main : p.n_extra) ? idx : -1;
+}
+
 __device__ __forceinline__ int effective_index(const SparseSinkAttentionParams& p, int j, int key_end, int64_t bs) {
   if (j >= key_end) return -1;
   const bool in_main = j < p.k_main;
-  const int idx = in_main ? p.main_idx[bs * p.k_main + j] : p.extra_idx[bs * p.k_extra + (j - p.k_main)];
-  return idx >= 0 && idx < (in_main ? p.n_main : p.n_extra) ? idx : -1;
+  return checked_index(p, in_main, in_main ? p.main_idx[bs * p.k_main + j] : p.extra_idx[bs * p.k_extra + (j - p.k_main)]);
 }
 
 template <int kRegs>
@@ -741,7 +745,7 @@ struct Fp8RowRegs {
 __device__ __forceinline__ Fp8RowRegs load_fp8_producer_row(const SparseSinkAttentionParams& p, bool in_main, int phase,
                                                             int raw) {
   Fp8RowRegs r{};
-  r.idx = raw >= 0 && raw < (in_main ? p.n_main : p.n_extra) ? raw : -1;
+  r.idx = checked_index(p, in_main, raw);
   r.fp8 = r.idx >= 0 && (in_main ? p.main_fp8 : p.extra_fp8) != 0;
   if (r.fp8) {
     const int64_t idx = r.idx;
