@@ -666,17 +666,12 @@ static_assert(kEmptyBar + 1 < kEpilogueBar && kEpilogueBar < 16, "named barrier 
 // launched with, 168 a thread (ptxas's allocation for 384 threads), and `setmaxnreg.inc`
 // waits until the pool can cover it: a split that asks for more than the producers gave back
 // never returns (the first FP8 split, 56 / 224 then 96 / 208, hung the H200 that way, at the
-// first FP8 case of `kernel_driver --wgmma-ws`, 2026-12-04). The FP8 producers hold a row's
-// 14 staged chunks while expanding it; ptxas spills there at 56 (100 bytes) and 80 (4 bytes),
-// not at 96.
+// first FP8 case of `kernel_driver --wgmma-ws`, 2026-12-04). The FP8 producers hold two rows'
+// e4m3 bytes, RoPE dims and scales a tile ahead (produce_fp8_tiles, 80 registers of data):
+// 112 is the least without spills, and at 96 / 200 both sides spill.
 constexpr int kLaunchRegs = 168;
-#ifdef JAX_DSPARK_FP8_PREFETCH_PRODUCERS  // two rows' e4m3 bytes, RoPE dims and scales held a tile ahead
 template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 112 : 40;
 template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 192 : 232;
-#else
-template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 96 : 40;
-template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 200 : 232;
-#endif
 static_assert(128 * kProducerRegs<false> + kThreads * kConsumerRegs<false> <= kWsThreads * kLaunchRegs,
               "register pool of the setmaxnreg split (bf16)");
 static_assert(128 * kProducerRegs<true> + kThreads * kConsumerRegs<true> <= kWsThreads * kLaunchRegs,
@@ -718,9 +713,6 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory"); }
 
-#ifdef JAX_DSPARK_FP8_PREFETCH_PRODUCERS
-// Candidate (cmake -DJAX_DSPARK_FP8_PREFETCH_PRODUCERS=ON; written 2026-12-06, not yet run on a
-// GPU in this form: docs/kernels.md, "FP8 producers loading rows into registers").
 // The producers' side for pools that may hold FP8 rows. Thread pt owns rows pt / 4 and
 // pt / 4 + 32 of a tile at phase pt % 4: the 16-byte e4m3 pieces phase + 4 i (i < 7, dims
 // 16 (phase + 4 i) .. + 15, scale block i) and RoPE chunks 2 phase, 2 phase + 1, which land
@@ -728,7 +720,11 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 // loaded into registers (Fp8RowRegs) a whole tile before its stage is free, then expanded
 // straight into the stage, so neither the DRAM latency nor a shared-memory staging round
 // trip sits between the consumers' release of a stage and its next tile: tile t + 1's loads
-// are issued as soon as tile t is expanded and have the consumers' whole tile t - 1 to land.
+// are issued as soon as tile t is announced and have the consumers' whole tile t - 1 to land.
+// H100, 2026-12-07 (docs/kernels.md, "FP8 producers loading rows into registers"), against
+// the staged in-place expansion this replaced: V4-Pro HCA FP8 122-123 -> 114 us, dense 16k
+// 236-238 -> 225, V4-Flash CSA decode 34 -> 33, the DSpark blocks -3% (forced onto this
+// schedule).
 // bf16 rows of a mixed call take cp.async into the stage (their bytes do not fit registers),
 // masked rows zeros. A tile is announced once its FP8 rows are expanded, so the consumers'
 // tile math is the bf16 one.
@@ -830,50 +826,6 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
     }
   }
 }
-#else
-// The producers' side for pools that may hold FP8 rows: the lockstep kernel's gather and
-// in-place expansion (gather_tile, expand_fp8_row), 128 threads doing what 256 do there, so
-// thread pt owns rows pt / 4 and pt / 4 + 32 of a tile at chunk phase pt % 4. A tile is
-// announced only once its FP8 rows are expanded, so the consumers' tile math is the bf16
-// one; the expansion runs while they compute the tile before.
-__device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParams& p, uint8_t* smem,
-                                                  const AttnWorkItem& item, int pt) {
-  const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
-  const int64_t bs = item.bs;
-  const int row0 = pt >> 2, phase = pt & 3;
-  int idx[2] = {-1, -1};
-  IssuedRow issued[2] = {{false, make_uint2(0u, 0u)}, {false, make_uint2(0u, 0u)}};
-  auto load_indices = [&](int t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) idx[r] = t < ntiles ? row_index(p, t, key_begin, key_end, bs, row0 + 32 * r) : -1;
-  };
-  auto issue = [&](int t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) issued[r] = gather_tile<true>(p, smem, t, key_begin, key_end, row0 + 32 * r, phase, idx[r]);
-    cp_async_commit();
-    load_indices(t + 1);
-  };
-  auto land_and_announce = [&](int t) {  // the only group in flight is tile t's
-    cp_async_wait<0>();
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (issued[r].fp8) expand_fp8_row(smem + kOffKV + (t & 1) * kTileBytes, row0 + 32 * r, phase, issued[r].scale);
-    fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
-    named_barrier_arrive(kFullBar + (t & 1), kWsThreads);
-  };
-  load_indices(0);
-  issue(0);  // with the Q block's group, issued by the caller before
-  land_and_announce(0);
-  if (ntiles > 1) issue(1);
-  for (int t = 0; t + 1 < ntiles; ++t) {
-    land_and_announce(t + 1);
-    if (t + 2 < ntiles) {
-      named_barrier_sync(kEmptyBar + (t & 1), kWsThreads);
-      issue(t + 2);
-    }
-  }
-}
-#endif  // JAX_DSPARK_FP8_PREFETCH_PRODUCERS
 
 // Where the producers leave: at once, or (kCluster) after taking part in the consumers' two
 // cluster syncs of finish_rows, which every thread of the cluster joins.
@@ -1087,7 +1039,11 @@ cudaError_t ws_register_pool() {
 // it wins at H 64 and H 128 alike (16 tiles: -1.5% / -6%; 32: -8% / -12%; 64 at H 64: -15%)
 // and below it loses (4 to 10 tiles: +2% to +16%).
 // kWsMinTiles: for bf16 the smallest winning count measured (32) rounded down (no H > 64
-// shape between 3 and 32 tiles measured); for FP8 the measured crossover.
+// shape between 3 and 32 tiles measured); for FP8 the measured crossover of those producers.
+// The register-prefetch FP8 producers (H100, 2026-12-07, bench-shape at S 1) won at 3 to 8
+// tiles as well (B 64 H 64: 4 tiles -9%, 6 -12%, 8 -15%; B 16 H 128: 3 tiles -9%, 4 -10%),
+// so FP8 could take this schedule from 3 tiles; not changed until the DSpark blocks (S 5,
+// several waves) have been compared in one run (docs/kernels.md, Next steps 0a).
 constexpr int kWsMinTiles = 16;
 bool use_warp_specialised(const SparseSinkAttentionParams& p) {
   const bool long_splits = attn_tiles_per_split(p.k_main + p.k_extra, p.num_splits) >= kWsMinTiles;
