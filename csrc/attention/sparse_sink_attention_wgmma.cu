@@ -696,12 +696,12 @@ __device__ __forceinline__ void issue_rows(uint32_t dst, const uint8_t* main, co
   }
 }
 
-// Row index of list position j for the producers, -1 where the row is masked.
 // A list entry as a row index of its pool, -1 where it is outside [0, n).
 __device__ __forceinline__ int checked_index(const SparseSinkAttentionParams& p, bool in_main, int idx) {
   return idx >= 0 && idx < (in_main ? p.n_main : p.n_extra) ? idx : -1;
 }
 
+// Row index of list position j for the producers, -1 where the row is masked.
 __device__ __forceinline__ int effective_index(const SparseSinkAttentionParams& p, int j, int key_end, int64_t bs) {
   if (j >= key_end) return -1;
   const bool in_main = j < p.k_main;
