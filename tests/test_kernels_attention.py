@@ -359,9 +359,9 @@ def test_fp8_long_lists_split_over_ctas_combine_exactly():
 
 
 def test_fp8_long_splits_take_the_warp_specialised_schedule_and_match():
-    # >= 16 tiles a split with FP8 pools: the launch goes to the warp-specialised kernel,
-    # whose producers gather and expand the FP8 rows (use_warp_specialised); both pools FP8,
-    # masked rows, one head block.
+    # Long FP8 splits (16+ tiles; FP8 pools take the warp-specialised kernel from 3 tiles a
+    # split, use_warp_specialised) over many tiles of the producers' register prefetch; both
+    # pools FP8, masked rows, one head block.
     b, s, h, k, k2 = 16, 2, 64, 4000, 100
     splits = _kernels.choose_splits(b, s, h, k + k2, _ffi.num_sms())
     tiles = -(-(k + k2) // _kernels.KEYS_PER_TILE)

@@ -246,16 +246,40 @@ __device__ __forceinline__ void masked_row_max(float (&sc)[4 * kJ], const uint8_
   }
 }
 
-// The running max after a tile whose row maxima are mx: the offset mu the tile's P uses
-// (0 while a row has seen no key) and alpha = exp2(old max - mu) for what came before.
+// The offset after a tile whose row maxima are mx (log2 units): mu, the offset the tile's P
+// uses (0 while a row has seen no key), and alpha = exp2(old offset - mu) for what came
+// before. The offset moves only when a tile's max exceeds it by more than kRescaleSlack, so
+// P = exp2(score - mu) <= 2^kRescaleSlack (bf16 and the f32 sums hold that exactly as well as
+// values <= 1: the rounding is relative), and most tiles keep alpha = 1 and skip the O
+// rescale, 128 multiplies a thread on the path from S to P V. Exact either way: O and the
+// row sums always share the offset, which the epilogue's lse adds back.
+constexpr float kRescaleSlack = 8.f;
 __device__ __forceinline__ void advance_max(float (&m_run)[2], const float (&mx)[2], float (&mu)[2],
                                             float (&alpha)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float m_new = fmaxf(m_run[i], mx[i]);
+    const float m_new = mx[i] > m_run[i] + kRescaleSlack ? mx[i] : m_run[i];  // -inf + slack is -inf
     mu[i] = m_new == -INFINITY ? 0.f : m_new;
     alpha[i] = exp2f(m_run[i] - mu[i]);
     m_run[i] = m_new;
+  }
+}
+
+// rescale_rows for offsets that rarely move: the row sums always, O only when the offset of
+// one of the warp's rows moved (alpha != 1; alpha 0 only before the first valid key, where O
+// is still zero). The vote keeps the branch warp-uniform.
+__device__ __forceinline__ void rescale_moved_rows(float (&o)[32][4], float (&l_run)[2], const float (&alpha)[2],
+                                                   const float (&rs)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
   }
 }
 
@@ -334,7 +358,7 @@ __device__ __forceinline__ void softmax_pv(float (&o)[32][4], float (&m_run)[2],
   uint4* xp = reinterpret_cast<uint4*>(smem + kOffSwap + 2 * BM * 4);  // [k16 step of the half][thread]
   xp[tid] = make_uint4(pown[0][0], pown[0][1], pown[0][2], pown[0][3]);
   xp[kThreads + tid] = make_uint4(pown[1][0], pown[1][1], pown[1][2], pown[1][3]);
-  rescale_rows(o, l_run, alpha, rs);
+  rescale_moved_rows(o, l_run, alpha, rs);
   named_barrier_sync(1 + w, 64);
   const uint4 q0 = xp[tid ^ 128], q1 = xp[kThreads + (tid ^ 128)];
   const uint32_t poth[2][4] = {{q0.x, q0.y, q0.z, q0.w}, {q1.x, q1.y, q1.z, q1.w}};
@@ -1034,21 +1058,24 @@ cudaError_t ws_register_pool() {
 // issuing them rather than by DRAM, and each CTA walks many tiles (32), so the producers'
 // extra start-up is paid once. Dense 16k (one head block, DRAM-bound) gains nothing from
 // moving the issue; the V4-Pro DSpark block (H 128 but 3 tiles a CTA) loses to the start-up.
-// FP8 pools (H100, 2026-12-05): the producers also take the expansion off the compute warps,
-// which the lockstep kernel runs between a tile's landing and its S; from 16 tiles a split on
-// it wins at H 64 and H 128 alike (16 tiles: -1.5% / -6%; 32: -8% / -12%; 64 at H 64: -15%)
-// and below it loses (4 to 10 tiles: +2% to +16%).
+// FP8 pools (H100, 2026-12-05, producers that staged the rows in shared memory): the
+// producers also take the expansion off the compute warps, which the lockstep kernel runs
+// between a tile's landing and its S; from 16 tiles a split on it won at H 64 and H 128 alike
+// (16 tiles: -1.5% / -6%; 32: -8% / -12%; 64 at H 64: -15%) and below it lost (4 to 10
+// tiles: +2% to +16%).
 // kWsMinTiles: for bf16 the smallest winning count measured (32) rounded down (no H > 64
-// shape between 3 and 32 tiles measured); for FP8 the measured crossover of those producers.
-// The register-prefetch FP8 producers (H100, 2026-12-07, bench-shape at S 1) won at 3 to 8
-// tiles as well (B 64 H 64: 4 tiles -9%, 6 -12%, 8 -15%; B 16 H 128: 3 tiles -9%, 4 -10%),
-// so FP8 could take this schedule from 3 tiles; not changed until the DSpark blocks (S 5,
-// several waves) have been compared in one run (docs/kernels.md, Next steps 0a).
+// shape between 3 and 32 tiles measured). kWsMinTilesFp8: with the register-prefetch FP8
+// producers (H100, 2026-12-07) this schedule wins from 3 tiles a split: bench-shape at S 1
+// (B 64 H 64: 4 tiles -9%, 6 -12%, 8 -15%; B 16 H 128: 3 tiles -9%, 4 -10%) and the
+// benchmark cases, both schedules alternated in one run: V4-Flash CSA decode (5 tiles)
+// 37.3 -> 33.3 us, DSpark block (3) 62.4 -> 57.4, V4-Pro DSpark block (3) 196.7 -> 182.0.
+// Below 3 tiles nothing was measured; the lockstep kernel keeps those.
 constexpr int kWsMinTiles = 16;
+constexpr int kWsMinTilesFp8 = 3;
 bool use_warp_specialised(const SparseSinkAttentionParams& p) {
-  const bool long_splits = attn_tiles_per_split(p.k_main + p.k_extra, p.num_splits) >= kWsMinTiles;
-  if (p.main_fp8 || p.extra_fp8) return long_splits;
-  return p.heads > kAttnHeadsPerCta && long_splits;
+  const int tiles = attn_tiles_per_split(p.k_main + p.k_extra, p.num_splits);
+  if (p.main_fp8 || p.extra_fp8) return tiles >= kWsMinTilesFp8;
+  return p.heads > kAttnHeadsPerCta && tiles >= kWsMinTiles;
 }
 
 enum class Schedule { kLockstep, kWarpSpecialised };
