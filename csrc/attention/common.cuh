@@ -56,12 +56,8 @@ __device__ __forceinline__ void inverse_rope_pair(float& x0, float& x1, float2 c
   x1 = y1;
 }
 
-// Online softmax step for a thread's two rows (m16n8 accumulator layout): the output and
-// the running sums scaled by alpha = exp2(old max - new max), plus this tile's sums rs.
-__device__ __forceinline__ void rescale_rows(float (&o)[32][4], float (&l_run)[2], const float (&alpha)[2],
-                                             const float (&rs)[2]) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
+// A thread's two output rows (m16n8 accumulator layout) scaled by alpha[0] / alpha[1].
+__device__ __forceinline__ void scale_rows(float (&o)[32][4], const float (&alpha)[2]) {
 #pragma unroll
   for (int n = 0; n < 32; ++n) {
     o[n][0] *= alpha[0];
@@ -69,6 +65,15 @@ __device__ __forceinline__ void rescale_rows(float (&o)[32][4], float (&l_run)[2
     o[n][2] *= alpha[1];
     o[n][3] *= alpha[1];
   }
+}
+
+// Online softmax step for a thread's two rows: the output and the running sums scaled by
+// alpha = exp2(old max - new max), plus this tile's sums rs.
+__device__ __forceinline__ void rescale_rows(float (&o)[32][4], float (&l_run)[2], const float (&alpha)[2],
+                                             const float (&rs)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
+  scale_rows(o, alpha);
 }
 
 // Output dims (dim, dim + 1) of query row bs, already normalised, as packed bf16: rotated

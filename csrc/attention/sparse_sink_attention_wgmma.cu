@@ -272,15 +272,7 @@ __device__ __forceinline__ void rescale_moved_rows(float (&o)[32][4], float (&l_
                                                    const float (&rs)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + rs[i];
-  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
-  }
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) scale_rows(o, alpha);
 }
 
 // P = exp2(score - mu) as the A operand of O += P V: k16 step ks covers the accumulator
