@@ -371,6 +371,31 @@ def test_fp8_long_splits_take_the_warp_specialised_schedule_and_match():
     check_fp8(args, sink=jnp.asarray(rng.standard_normal(h), jnp.float32), scale=512**-0.5, inverse_rope=rope)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("b", [4, 66])
+def test_scores_climbing_across_tiles_move_the_softmax_offset_and_match(b, fp8):
+    # The wgmma kernels keep a row's softmax offset until a tile's max passes it by more than
+    # 8 (log2 units, kRescaleSlack) and rescale O only then. Here the scores climb about 6.5
+    # log2 units a tile (the offset kept, then moved, in turn), jump by 43 at tile 7 and drop
+    # after tile 8. b 66 at H 128 is one split of 17 tiles a CTA on a 132-SM GPU (both pool
+    # kinds on the warp-specialised schedule), b 4 many splits of one or two tiles (lockstep).
+    h, k = 128, 64 * 17
+    rng = np.random.default_rng(60 + b + fp8)
+    q = 0.1 * rng.standard_normal((b, 1, h, D))
+    q[..., -1] = 1.0
+    rows = 0.1 * rng.standard_normal((k, D))
+    tile = np.arange(k) // 64
+    # in the last dim, a RoPE dim: bf16 in FP8 rows as well
+    rows[:, -1] = 4.5 * tile + 0.5 * rng.random(k) + 30.0 * (tile == 7) - 40.0 * (tile > 8)
+    rows = jnp.asarray(rows, jnp.bfloat16)
+    args = dict(
+        q=jnp.asarray(q, jnp.bfloat16),
+        main_rows=kv_fp8.quantize_kv_rows(rows.astype(jnp.float32)) if fp8 else rows,
+        main_idx=jnp.asarray(np.broadcast_to(np.arange(k, dtype=np.int32), (b, 1, k))),
+    )
+    (check_fp8 if fp8 else check)(args, scale=1.0)
+
+
 def test_fp8_all_masked_rows_give_zeros():
     args, _ = fp8_case(24, b=2, s=1, h=64, k=200, drop=1.0)
     out, lse = run_kernel(args, scale=0.1)
