@@ -739,8 +739,8 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 // are issued as soon as tile t is announced and have the consumers' whole tile t - 1 to land.
 // H100, 2026-12-07 (docs/kernels.md, "FP8 producers loading rows into registers"), against
 // the staged in-place expansion this replaced: V4-Pro HCA FP8 122-123 -> 114 us, dense 16k
-// 236-238 -> 225, V4-Flash CSA decode 34 -> 33, the DSpark blocks -3% (forced onto this
-// schedule).
+// 236-238 -> 225, V4-Flash CSA decode 34 -> 33, the DSpark blocks -3% (then forced onto this
+// schedule; they take it by default since kWsMinTilesFp8 = 3).
 // bf16 rows of a mixed call take cp.async into the stage (their bytes do not fit registers),
 // masked rows zeros. A tile is announced once its FP8 rows are expanded, so the consumers'
 // tile math is the bf16 one.
