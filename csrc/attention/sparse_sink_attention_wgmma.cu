@@ -316,17 +316,6 @@ __device__ __forceinline__ void pv_tile(float (&o)[32][4], const uint32_t (&pa)[
   }
 }
 
-// One tile of the consumer warpgroups (thread tid < 256): S split between the warpgroups
-// (warpgroup c: keys 32c .. 32c + 31 of the tile), no duplicated tensor work. The two warps
-// that own heads 16w .. 16w + 15 (warp w of each warpgroup) swap row maxima, then P
-// fragments, through shared memory under a named barrier of their 64 threads; thread tid's
-// partner is tid ^ 128, which holds the same rows and key offsets of the other half. Both
-// warpgroups then use the same running max, so O and the row sums rescale alike; the sums
-// stay per half until the epilogue. A short tile (at most 16 rows of the list: the last one
-// of a DSpark block's 133 rows, say) computes 16 columns of each half of S and one k16
-// step of P V. Exact: the other columns are masked (probability 0) and their V rows
-// zero-filled, so they would only add +0. Two instantiations rather than branches inside
-// one: ptxas serialises every wgmma of a kernel whose pipeline stages contain a branch.
 // The rest of a tile once this warpgroup's S (its 32 keys, raw scores) is in `sc`: masking,
 // the max swap with the partner warp, P, the P swap, the rescale and P V. The swap area
 // (row maxima [2][64] floats, then P fragments [2][256] uint4) lies at smem + kOffSwap.
