@@ -72,7 +72,15 @@ constexpr int kOffValid = kOffKV + 2 * kTileBytes;
 // thread tid ^ 128.
 constexpr int kOffXRow = kOffValid + 2 * BK;
 constexpr int kOffXP = kOffXRow + 2 * BM * 4;
-constexpr int kSmemBytes = kOffXP + kThreads * 32;
+// Candidate build (JAX_DSPARK_ATTENTION_S_HALF_D, off in the release): a full tile's S computed
+// over half of D per warpgroup (s_tile_half_d), partial sums swapped through kOffXS (16 KB).
+#ifdef JAX_DSPARK_ATTENTION_S_HALF_D
+constexpr bool kSHalfD = true;
+#else
+constexpr bool kSHalfD = false;
+#endif
+constexpr int kOffXS = kOffXP + kThreads * 32;
+constexpr int kSmemBytes = kOffXS + (kSHalfD ? kThreads * 64 : 0);
 constexpr int kMaxClusterSplits = 8;  // splits merged in one cluster at most (the portable cluster size)
 constexpr int kNopeChunks = kAttnNopeDim / 8;  // FP8 rows: 8-dim chunks held as e4m3 (56)
 static_assert(kOffXP % 16 == 0, "swap area: uint4 stores");
@@ -223,6 +231,52 @@ __device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_
   for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
 }
 
+// s_tile's result for a full tile, computed as two halves of D (candidate build, kSHalfD):
+// warpgroup c multiplies dims 256c .. 256c + 255 of Q by the same dims of all 64 keys
+// (m64n64k16, 16 steps), hands its partner tid ^ 128 its partial sums of the partner's 32
+// keys through kOffXS, and adds the partner's partial sums of its own. Why: wgmma with both
+// operands in shared memory reads A again for every instruction, so m64n32k16 over all of D
+// reads 3 KB a step for 16 cycles of tensor work (Q read twice a tile, 192 KB of operand
+// reads for both warpgroups' S), m64n64k16 4 KB for 32 cycles (128 KB a tile), at the price
+// of 32 KB of swap traffic and one more barrier of the warp pair. part[4j + e] is key
+// 8j + 2 q4 + (e & 1); the warpgroup's own keys are j = 4c .. 4c + 3 (sc's layout).
+__device__ __forceinline__ void s_tile_half_d(float (&sc)[16], uint8_t* smem, uint32_t q_base, uint32_t kv_base,
+                                              int tid, int c) {
+  float part[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) part[i] = 0.f;
+  const uint32_t half = c * 4 * kBlockBytes;  // column blocks 4c .. 4c + 3
+  const uint64_t da0 = gmma_desc_sw128(q_base + half, 16, 1024);
+  const uint64_t db0 = gmma_desc_sw128(kv_base + half, 16, 1024);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+    wgmma_m64n64k16_ss(part, desc_advance(da0, k_off), desc_advance(db0, k_off), ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 32; ++i) reg_fence(part[i]);
+  uint4* xs = reinterpret_cast<uint4*>(smem + kOffXS);  // [k][thread]: keys 8 (4c' + k) .. of the reader c'
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = c == 0 ? part[16 + 4 * k + e] : part[4 * k + e];
+    xs[k * kThreads + tid] =
+        make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+  }
+  named_barrier_sync(1 + ((tid >> 5) & 3), 64);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint4 x = xs[k * kThreads + (tid ^ 128)];
+    const float other[4] = {__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z), __uint_as_float(x.w)};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[4 * k + e] = (c == 0 ? part[4 * k + e] : part[16 + 4 * k + e]) + other[e];
+  }
+}
+
 // Scores to log2 units, masked keys to -inf (in place), and the maxima of this thread's two
 // rows over the keys of its quad.
 template <int kJ>
@@ -368,7 +422,10 @@ __device__ __forceinline__ void consume_tile(float (&o)[32][4], float (&m_run)[2
                                              uint32_t q_base, uint32_t kv_base, const uint8_t* s_valid, float sl2,
                                              int tid, int c) {
   float sc[16];
-  s_tile<kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
+  if constexpr (kSHalfD && !kShort)
+    s_tile_half_d(sc, smem, q_base, kv_base, tid, c);
+  else
+    s_tile<kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
   softmax_pv<kShort, kOffXRow>(o, m_run, l_run, smem, sc, kv_base, s_valid, sl2, tid, c);
 }
 
