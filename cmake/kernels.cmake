@@ -57,11 +57,6 @@ set(JAX_DSPARK_MBAR_TIMEOUT_CYCLES "" CACHE STRING
 if(JAX_DSPARK_MBAR_TIMEOUT_CYCLES)
   target_compile_definitions(jax_dspark_objs PRIVATE JDS_MBAR_TIMEOUT_CYCLES=${JAX_DSPARK_MBAR_TIMEOUT_CYCLES})
 endif()
-option(JAX_DSPARK_ATTENTION_S_HALF_D
-       "candidate build: each warpgroup computes a tile's S over half of D, partial sums swapped (docs/kernels.md)" OFF)
-if(JAX_DSPARK_ATTENTION_S_HALF_D)
-  target_compile_definitions(jax_dspark_objs PRIVATE JAX_DSPARK_ATTENTION_S_HALF_D)
-endif()
 target_include_directories(jax_dspark_objs PRIVATE
   "${CMAKE_CURRENT_SOURCE_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc")
 target_include_directories(jax_dspark_objs SYSTEM PRIVATE
@@ -107,8 +102,5 @@ if(JAX_DSPARK_BUILD_DRIVER)
   target_compile_options(kernel_driver PRIVATE ${_jds_gencode} -O3)
   # diagnostic launches (AttnProbe in attention/params.h): never compiled into the library
   target_compile_definitions(kernel_driver PRIVATE JAX_DSPARK_ATTENTION_PROBES)
-  if(JAX_DSPARK_ATTENTION_S_HALF_D)
-    target_compile_definitions(kernel_driver PRIVATE JAX_DSPARK_ATTENTION_S_HALF_D)
-  endif()
   target_link_libraries(kernel_driver PRIVATE CUDA::cudart_static)
 endif()

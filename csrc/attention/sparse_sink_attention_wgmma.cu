@@ -72,15 +72,9 @@ constexpr int kOffValid = kOffKV + 2 * kTileBytes;
 // thread tid ^ 128.
 constexpr int kOffXRow = kOffValid + 2 * BK;
 constexpr int kOffXP = kOffXRow + 2 * BM * 4;
-// Candidate build (JAX_DSPARK_ATTENTION_S_HALF_D, off in the release): a full tile's S computed
-// over half of D per warpgroup (s_tile_half_d), partial sums swapped through kOffXS (16 KB).
-#ifdef JAX_DSPARK_ATTENTION_S_HALF_D
-constexpr bool kSHalfD = true;
-#else
-constexpr bool kSHalfD = false;
-#endif
+// The partial sums of S over half of D that the warpgroups swap (s_tile_half_d), 16 KB.
 constexpr int kOffXS = kOffXP + kThreads * 32;
-constexpr int kSmemBytes = kOffXS + (kSHalfD ? kThreads * 64 : 0);
+constexpr int kSmemBytes = kOffXS + kThreads * 64;
 constexpr int kMaxClusterSplits = 8;  // splits merged in one cluster at most (the portable cluster size)
 constexpr int kNopeChunks = kAttnNopeDim / 8;  // FP8 rows: 8-dim chunks held as e4m3 (56)
 static_assert(kOffXP % 16 == 0, "swap area: uint4 stores");
@@ -231,7 +225,7 @@ __device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_
   for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
 }
 
-// s_tile's result for a full tile, computed as two halves of D (candidate build, kSHalfD):
+// s_tile's result for a full tile, computed as two halves of D (where kSOverHalfD says):
 // warpgroup c multiplies dims 256c .. 256c + 255 of Q by the same dims of all 64 keys
 // (m64n64k16, 16 steps), hands its partner tid ^ 128 its partial sums of the partner's 32
 // keys through kOffXS, and adds the partner's partial sums of its own. Why: wgmma with both
@@ -417,12 +411,12 @@ __device__ __forceinline__ void softmax_pv(float (&o)[32][4], float (&m_run)[2],
 // step of P V. Exact: the other columns are masked (probability 0) and their V rows
 // zero-filled, so they would only add +0. Two instantiations rather than branches inside
 // one: ptxas serialises every wgmma of a kernel whose pipeline stages contain a branch.
-template <bool kShort>
+template <bool kShort, bool kHalfD>
 __device__ __forceinline__ void consume_tile(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
                                              uint32_t q_base, uint32_t kv_base, const uint8_t* s_valid, float sl2,
                                              int tid, int c) {
   float sc[16];
-  if constexpr (kSHalfD && !kShort)
+  if constexpr (kHalfD && !kShort)
     s_tile_half_d(sc, smem, q_base, kv_base, tid, c);
   else
     s_tile<kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
@@ -438,18 +432,27 @@ __device__ __forceinline__ void init_rows(float (&o)[32][4], float (&m_run)[2], 
   l_run[0] = l_run[1] = 0.f;
 }
 
+// Which kernels compute a full tile's S over half of D a warpgroup (s_tile_half_d) rather than
+// over all of D for half of the keys (s_tile): all but the bf16 warp-specialised one. On an
+// H100 (2026-12-07, CUDA events, docs/kernels.md "S over half of D") that moved the lockstep
+// cases and the FP8 warp-specialised ones by -0.3% to -2% and V4-Pro HCA bf16, the one bf16
+// warp-specialised case, by +2.4%.
+template <bool kFp8, bool kWarpSpecialised>
+constexpr bool kSOverHalfD = kFp8 || !kWarpSpecialised;
+
 // The tile in `stage`, of which `tile_rows` rows are in the list: the short instantiation
 // when at most 16 are. c = warpgroup_of(tid), taken once before the tile loop: a value the
 // compiler knows is warp-uniform keeps the descriptors in uniform registers (the shuffle
 // inside the loop cost dense 16k 1% on the H100).
+template <bool kHalfD>
 __device__ __forceinline__ void consume_stage(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
                                               uint32_t q_base, int stage, int tile_rows, float sl2, int tid, int c) {
   const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
   const uint8_t* s_valid = smem + kOffValid + stage * BK;
   if (tile_rows <= 16)
-    consume_tile<true>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid, c);
+    consume_tile<true, kHalfD>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid, c);
   else
-    consume_tile<false>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid, c);
+    consume_tile<false, kHalfD>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid, c);
 }
 
 // A thread's two rows at the end: lse (natural log, sink excluded) and 1 / row sum, from
@@ -697,7 +700,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     }
     cp_async_commit();
 
-    consume_stage(o, m_run, l_run, smem, q_base, stage, min(BK, key_end - (key_begin + t * BK)), sl2, tid, wg);
+    consume_stage<kSOverHalfD<kFp8, false>>(o, m_run, l_run, smem, q_base, stage,
+                                            min(BK, key_end - (key_begin + t * BK)), sl2, tid, wg);
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
 
@@ -970,7 +974,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   for (int t = 0; t < ntiles; ++t) {
     const int stage = t & 1;
     named_barrier_sync(kFullBar + stage, kWsThreads);
-    consume_stage(o, m_run, l_run, smem, q_base, stage, min(BK, key_end - (key_begin + t * BK)), sl2, tid, wg);
+    consume_stage<kSOverHalfD<kFp8, true>>(o, m_run, l_run, smem, q_base, stage,
+                                           min(BK, key_end - (key_begin + t * BK)), sl2, tid, wg);
     if (t + 2 < ntiles) named_barrier_arrive(kEmptyBar + stage, kWsThreads);  // its wgmmas have completed
   }
   finish_rows<kCluster>(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
