@@ -18,8 +18,11 @@
 //     8-key groups). This is the layout dense Hopper GEMMs feed wgmma from; the first
 //     version used the no-swizzle layout, whose core matrices of one k16 slice lie 1 KB
 //     apart on the same banks (docs/kernels.md compares the two);
-//   * warpgroup c computes S for keys 32c .. 32c + 31 of the tile (m64n32k16,
-//     both operands from shared memory, 32 steps over D); warp w of each warpgroup holds
+//   * warpgroup c ends up with S for keys 32c .. 32c + 31 of the tile: computed over
+//     dims 256c .. 256c + 255 for all 64 keys (m64n64k16, both operands from shared memory,
+//     16 steps) with the partner's partial sums of its keys added (s_tile_half_d), or, in
+//     the bf16 warp-specialised kernel, over all of D for its 32 keys (m64n32k16, 32 steps;
+//     kSOverHalfD says why); warp w of each warpgroup holds
 //     heads 16w .. 16w + 15, and the two warps with the same w swap their row maxima and
 //     then their P fragments through 8.5 KB of shared memory, each swap under a named
 //     barrier of those 64 threads only. Each warpgroup then multiplies all 64 keys of P
