@@ -21,6 +21,9 @@
 #                   CTAs fit in as few waves as a plain launch's): kernel_driver --wgmma-cluster
 #                   edge cases under timeout, memcheck, racecheck, then bench of the split cases
 #                   (CSA decode, HCA, dense 16k) with --wgmma, --wgmma-combine and --wgmma-cluster
+#   pair            the D-split CTA pair (candidate on branch dsplit-pair, written 2026-12-07, never
+#                   run): kernel_driver --wgmma-pair edge cases under timeout, memcheck, racecheck,
+#                   then bench with --wgmma and --wgmma-pair alternating (its bf16 rows are the A/B)
 #   ab              the attention kernels against an older kernel_driver ($OLD_DRIVER, one built
 #                   before the change): bench of $AB_CASES (a case-name filter, default all ten;
 #                   about 50 s for all) with --wgmma-lockstep and --wgmma-ws, old and new
@@ -86,6 +89,14 @@ for step in "$@"; do
       for i in 1 2; do
         run 60 "$DRIVER" bench-prep
         run 60 "$DRIVER" --prep-half bench-prep
+      done ;;
+    pair)
+      run 60 "$DRIVER" --wgmma-pair
+      [ "$last" -ne 0 ] && echo "== pair: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-pair
+      run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-pair
+      for schedule in --wgmma --wgmma-pair --wgmma --wgmma-pair; do
+        run 60 "$DRIVER" "$schedule" --rope bench  # FP8 cases: lockstep under --wgmma-pair
       done ;;
     cluster)
       run 60 "$DRIVER" --wgmma-cluster

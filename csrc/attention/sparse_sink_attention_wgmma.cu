@@ -1085,6 +1085,244 @@ cudaError_t launch_gather_probe(const SparseSinkAttentionParams& p, cudaStream_t
 }
 #endif
 
+#ifdef JAX_DSPARK_ATTENTION_PROBES
+// ---- D-split CTA pair (candidate: kernel_driver --wgmma-pair only; bf16 pools) ----------
+// Why: one CTA of the kernels above fills an SM (Q 64 KB, two 64 KB tiles, O in 256 KB of
+// registers), so nothing overlaps a CTA's prologue, its softmax or its epilogue, and the
+// short lists (CSA decode, the DSpark blocks: 2-5 tiles a CTA) sit at 0.16-0.40 of their
+// ceilings. Here the two CTAs of a cluster share a work item and split D: CTA r holds dims
+// 256r .. 256r + 255 of the Q block, of every gathered row (32 KB half-tiles) and of O (one
+// warpgroup, 128 registers of O a thread), 112 KB of shared memory, so two CTAs (of two
+// pairs) fit an SM and one's softmax, barriers and epilogue can run under the other's
+// tensor work. A tile: each CTA computes S over its half of D for all 64 keys (m64n64k16, 16
+// steps), stores the partial sums into the partner's shared memory (16 KB, st.shared::cluster)
+// and adds the partner's (a + b == b + a, so both CTAs hold the same S bit for bit and make the
+// same softmax: the row maxima and sums need no exchange); P V multiplies P by the CTA's half
+// of V's columns. Two cluster barriers a tile, each a thread's arrive then wait: A (both
+// partials written, release / acquire) before the partial is read, B (the read done) before the
+// next tile's partial is written; B's wait comes one tile's P V and S later, so it rarely waits.
+// A start barrier (arrive after the first copies are issued, wait before the first partial is
+// written) makes sure the partner CTA runs before its shared memory is written.
+// Split partials go through the combine launch (each CTA writes its half of every f32 row).
+constexpr int kPairThreads = 128;
+constexpr int kHalfTileBytes = kTileBytes / 2;  // column blocks 0..3 of 64 rows
+constexpr int kPairOffQ = 0;
+constexpr int kPairOffKV = kHalfTileBytes;                             // two stages
+constexpr int kPairOffXS = kPairOffKV + 2 * kHalfTileBytes;            // the partner's partial S: [8][128] uint4
+constexpr int kPairOffValid = kPairOffXS + kPairThreads * 128;         // [stage][64] row flags
+constexpr int kPairSmemBytes = kPairOffValid + 2 * BK;
+constexpr int kPairStageRowBf16 = D + 16;     // a staged half row: 256 bf16 + pad
+constexpr int kPairStageRowF32 = 2 * D + 32;  // 256 f32 + pad
+static_assert(BM * kPairStageRowF32 <= kPairOffXS, "staged half rows fit Q's region and the stages");
+static_assert(2 * (kPairSmemBytes + 1024) <= 228 * 1024, "two CTAs an SM (1 KB reserved a CTA)");
+
+// Thread tid's share of a 64-row block of half rows into `base` (Q block or half-tile): row
+// tid / 2, its 16-byte chunks phase + 2i (i < 16) of the 32 in half `rank`; `src` the row's
+// first byte (null: masked, zero-filled).
+__device__ __forceinline__ void issue_half_row(uint8_t* base, const uint8_t* src, int row, int phase, int rank) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int chunk = phase + 2 * i;
+    uint8_t* at = base + chunk_offset(row, chunk);
+    if (src != nullptr)
+      cp_async_16(smem_addr(at), src + rank * D + chunk * 16);  // half a bf16 row is D bytes
+    else
+      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Half-tile t into stage t % 2, its row flags beside it.
+__device__ __forceinline__ void pair_gather(const SparseSinkAttentionParams& p, uint8_t* smem, int t, int key_begin,
+                                            int key_end, int row, int phase, int rank, int idx) {
+  const int j = key_begin + t * BK + row;
+  const bool in_main = j < p.k_main;
+  const bool ok = j < key_end && idx >= 0 && idx < (in_main ? p.n_main : p.n_extra);
+  const uint8_t* src =
+      ok ? static_cast<const uint8_t*>(in_main ? p.main_rows : p.extra_rows) + int64_t(idx) * (D * 2) : nullptr;
+  issue_half_row(smem + kPairOffKV + (t & 1) * kHalfTileBytes, src, row, phase, rank);
+  if (phase == 0) smem[kPairOffValid + (t & 1) * BK + row] = ok ? 1 : 0;
+}
+
+// The pair's epilogue, CTA `rank`'s 256 dims of every row: whole rows in bf16 (sink, inverse
+// RoPE on the dims that have it, lse from rank 0), or normalised f32 split partials.
+__device__ __forceinline__ void pair_finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem,
+                                                 const float (&o)[32][4], const float (&m_run)[2],
+                                                 const float (&l_run)[2], int64_t bs, int h0, int split, int tid,
+                                                 int rank) {
+  const int w = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  float lse[2], inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float l = l_run[i];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    lse[i] = (m_run[i] == -INFINITY || !(l > 0.f)) ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
+    inv[i] = l > 0.f ? 1.f / l : 0.f;
+  }
+  const int lr0 = 16 * w + g, dim0 = rank * (D / 2) + 2 * q4, rope_lo = D - p.rope_dim;
+  const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
+  __syncthreads();  // every warp past its last P V: Q's region and the stages are free
+  if (p.num_splits == 1) {
+    float f[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int h = h0 + lr0 + 8 * i;
+      f[i] = h < p.heads ? inv[i] * sink_factor(p.sink, h, lse[i]) : 0.f;
+      if (rank == 0 && q4 == 0 && h < p.heads) p.lse[bs * p.heads + h] = lse[i];
+    }
+    const float2* cs_row = p.inv_rope ? reinterpret_cast<const float2*>(p.inv_rope) + bs * (p.rope_dim / 2) : nullptr;
+    uint8_t* dst = smem + lr0 * kPairStageRowBf16;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      const int dim = dim0 + 8 * n;
+      float a0 = o[n][0] * f[0], a1 = o[n][1] * f[0], b0 = o[n][2] * f[1], b1 = o[n][3] * f[1];
+      if (cs_row != nullptr && dim >= rope_lo) {
+        const float2 cs = cs_row[(dim - rope_lo) / 2];
+        inverse_rope_pair(a0, a1, cs);
+        inverse_rope_pair(b0, b1, cs);
+      }
+      *reinterpret_cast<uint32_t*>(dst + (8 * n + 2 * q4) * 2) = pack_bf16x2(a0, a1);
+      *reinterpret_cast<uint32_t*>(dst + 8 * kPairStageRowBf16 + (8 * n + 2 * q4) * 2) = pack_bf16x2(b0, b1);
+    }
+    __syncthreads();
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+    for (int k = tid; k < BM * 32; k += kPairThreads) {  // 32 chunks of 16 bytes a half row
+      const int lr = k >> 5, ch = k & 31, h = h0 + lr;
+      if (h < p.heads)
+        *reinterpret_cast<uint4*>(out + ((bs * p.heads + h) * D + rank * (D / 2)) * 2 + ch * 16) =
+            *reinterpret_cast<const uint4*>(smem + lr * kPairStageRowBf16 + ch * 16);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int lr = lr0 + 8 * i, h = h0 + lr;
+    if (h >= p.heads) continue;
+    uint8_t* dst = smem + lr * kPairStageRowF32;
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+      *reinterpret_cast<float2*>(dst + (8 * n + 2 * q4) * 4) = make_float2(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
+    if (rank == 0 && q4 == 0) p.partial_lse[int64_t(split) * rows + bs * p.heads + h] = lse[i];
+  }
+  __syncthreads();
+  float* out = p.partial_out + int64_t(split) * rows * D;
+  for (int k = tid; k < BM * 64; k += kPairThreads) {  // 64 chunks of 16 bytes a half row
+    const int lr = k >> 6, ch = k & 63, h = h0 + lr;
+    if (h < p.heads)
+      *reinterpret_cast<uint4*>(out + (bs * p.heads + h) * D + rank * (D / 2) + ch * 4) =
+          *reinterpret_cast<const uint4*>(smem + lr * kPairStageRowF32 + ch * 16);
+  }
+}
+
+__global__ void __launch_bounds__(kPairThreads, 2) sparse_sink_attention_pair_kernel(const SparseSinkAttentionParams p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (smem_addr(smem) & 1023) __trap();
+  const AttnWorkItem item = attn_work_item(p, blockIdx.x >> 1);
+  const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles, h0 = item.h0;
+  const int64_t bs = item.bs;
+  const int rank = int(cluster_ctarank());
+  const int tid = threadIdx.x, row = tid >> 1, phase = tid & 1, q4 = tid & 3;
+
+  {  // Q block half, absent heads as zeros (their rows of O are never stored)
+    const int h = h0 + row;
+    const uint8_t* src = h < p.heads ? static_cast<const uint8_t*>(p.q) + (bs * p.heads + h) * int64_t(D * 2) : nullptr;
+    issue_half_row(smem + kPairOffQ, src, row, phase, rank);
+  }
+  int next_idx = -1;
+  if (ntiles > 0) pair_gather(p, smem, 0, key_begin, key_end, row, phase, rank, row_index(p, 0, key_begin, key_end, bs, row));
+  cp_async_commit();
+  if (ntiles > 1) next_idx = row_index(p, 1, key_begin, key_end, bs, row);
+  cluster_arrive();  // start barrier: the partner's shared memory exists before it is written
+
+  float o[32][4], m_run[2], l_run[2];
+  init_rows(o, m_run, l_run);
+  const float sl2 = p.scale * kLog2e;
+  const uint32_t q_base = smem_addr(smem + kPairOffQ);
+  const uint32_t xs_local = smem_addr(smem + kPairOffXS);
+  const uint32_t xs_remote = cluster_map(xs_local, uint32_t(rank ^ 1));
+  for (int t = 0; t < ntiles; ++t) {
+    const int stage = t & 1;
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();  // tile t landed for every thread; every warp past tile t - 1's P V
+    if (t + 1 < ntiles) {
+      pair_gather(p, smem, t + 1, key_begin, key_end, row, phase, rank, next_idx);
+      if (t + 2 < ntiles) next_idx = row_index(p, t + 2, key_begin, key_end, bs, row);
+    }
+    cp_async_commit();
+    const uint32_t kv_base = smem_addr(smem + kPairOffKV + stage * kHalfTileBytes);
+
+    float part[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) part[i] = 0.f;
+    {
+      const uint64_t da0 = gmma_desc_sw128(q_base, 16, 1024);
+      const uint64_t db0 = gmma_desc_sw128(kv_base, 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks) {
+        const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+        wgmma_m64n64k16_ss(part, desc_advance(da0, k_off), desc_advance(db0, k_off), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 32; ++i) reg_fence(part[i]);
+    }
+    cluster_wait();  // the start barrier, or B of tile t - 1: the partner has read its buffer
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      st_cluster_u32x4(xs_remote + (k * kPairThreads + tid) * 16,
+                       make_uint4(__float_as_uint(part[4 * k]), __float_as_uint(part[4 * k + 1]),
+                                  __float_as_uint(part[4 * k + 2]), __float_as_uint(part[4 * k + 3])));
+    cluster_arrive();  // barrier A of tile t
+    cluster_wait();
+    float sc[32];
+    const uint4* xs = reinterpret_cast<const uint4*>(smem + kPairOffXS);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint4 x = xs[k * kPairThreads + tid];
+      sc[4 * k] = part[4 * k] + __uint_as_float(x.x);
+      sc[4 * k + 1] = part[4 * k + 1] + __uint_as_float(x.y);
+      sc[4 * k + 2] = part[4 * k + 2] + __uint_as_float(x.z);
+      sc[4 * k + 3] = part[4 * k + 3] + __uint_as_float(x.w);
+    }
+    cluster_arrive();  // barrier B of tile t
+
+    float mx[2], mu[2], alpha[2], rs[2];
+    masked_row_max<8>(sc, smem + kPairOffValid + stage * BK, 0, q4, sl2, mx);
+    advance_max(m_run, mx, mu, alpha);
+    uint32_t pa[4][4];
+    p_fragments<8>(sc, mu, pa, rs);
+    rescale_moved_rows(o, l_run, alpha, rs);
+    pv_tile<BK / 16>(o, pa, kv_base);
+  }
+  cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
+  cluster_wait();  // B of the last tile (or the start barrier): no arrive left unmatched
+  pair_finish_rows(p, smem, o, m_run, l_run, bs, h0, item.split, tid, rank);
+}
+
+cudaError_t launch_pair(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  constexpr auto kernel = sparse_sink_attention_pair_kernel;
+  const cudaError_t err = configure_attention_kernel<kernel>(kPairSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int nhb = (p.heads + BM - 1) / BM;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(2 * nhb * p.seq, p.num_splits, p.batch);
+  cfg.blockDim = dim3(kPairThreads);
+  cfg.dynamicSmemBytes = kPairSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cfg.attrs = &cluster;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+#endif
+
 // The pool the setmaxnreg split assumes is the kernel's launch allocation (kLaunchRegs a
 // thread); were ptxas ever to allocate fewer, the consumers' setmaxnreg.inc would wait
 // forever. Checked once per instantiation on the host, so that case is an error, not a hang.
@@ -1274,6 +1512,15 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 #endif
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
+
+// The candidate D-split pair for bf16 pools; FP8 pools take the lockstep kernel.
+cudaError_t run_sparse_sink_attention_wgmma_pair(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  if (p.main_fp8 || p.extra_fp8) return run_schedule(p, Schedule::kLockstep, stream);
+  const cudaError_t err = launch_pair(p, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  return launch_sparse_sink_attention_combine(p, stream);
+}
 
 cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
                                                     cudaStream_t stream) {
