@@ -228,6 +228,25 @@ __device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_
   for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
 }
 
+// Q K^T over 256 dims (the four 64-dim column blocks from q_half / k_half) for all 64 keys of a
+// tile: m64n64k16, 16 steps. part[4j + e] is head row 16w + g + 8 (e >> 1), key 8j + 2 q4 + (e & 1).
+__device__ __forceinline__ void s_half_d_partial(float (&part)[32], uint32_t q_half, uint32_t k_half) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) part[i] = 0.f;
+  const uint64_t da0 = gmma_desc_sw128(q_half, 16, 1024);
+  const uint64_t db0 = gmma_desc_sw128(k_half, 16, 1024);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
+    wgmma_m64n64k16_ss(part, desc_advance(da0, k_off), desc_advance(db0, k_off), ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 32; ++i) reg_fence(part[i]);
+}
+
 // s_tile's result for a full tile, computed as two halves of D (where kSOverHalfD says):
 // warpgroup c multiplies dims 256c .. 256c + 255 of Q by the same dims of all 64 keys
 // (m64n64k16, 16 steps), hands its partner tid ^ 128 its partial sums of the partner's 32
@@ -240,21 +259,8 @@ __device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_
 __device__ __forceinline__ void s_tile_half_d(float (&sc)[16], uint8_t* smem, uint32_t q_base, uint32_t kv_base,
                                               int tid, int c) {
   float part[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) part[i] = 0.f;
   const uint32_t half = c * 4 * kBlockBytes;  // column blocks 4c .. 4c + 3
-  const uint64_t da0 = gmma_desc_sw128(q_base + half, 16, 1024);
-  const uint64_t db0 = gmma_desc_sw128(kv_base + half, 16, 1024);
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < D / 32; ++ks) {
-    const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-    wgmma_m64n64k16_ss(part, desc_advance(da0, k_off), desc_advance(db0, k_off), ks > 0);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 32; ++i) reg_fence(part[i]);
+  s_half_d_partial(part, q_base + half, kv_base + half);
   uint4* xs = reinterpret_cast<uint4*>(smem + kOffXS);  // [k][thread]: keys 8 (4c' + k) .. of the reader c'
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -1253,22 +1259,7 @@ __global__ void __launch_bounds__(kPairThreads, 2) sparse_sink_attention_pair_ke
     const uint32_t kv_base = smem_addr(smem + kPairOffKV + stage * kHalfTileBytes);
 
     float part[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) part[i] = 0.f;
-    {
-      const uint64_t da0 = gmma_desc_sw128(q_base, 16, 1024);
-      const uint64_t db0 = gmma_desc_sw128(kv_base, 16, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < D / 32; ++ks) {
-        const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-        wgmma_m64n64k16_ss(part, desc_advance(da0, k_off), desc_advance(db0, k_off), ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) reg_fence(part[i]);
-    }
+    s_half_d_partial(part, q_base, kv_base);
     cluster_wait();  // the start barrier, or B of tile t - 1: the partner has read its buffer
 #pragma unroll
     for (int k = 0; k < 8; ++k)
