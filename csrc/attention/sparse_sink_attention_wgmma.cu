@@ -444,7 +444,7 @@ __device__ __forceinline__ void init_rows(float (&o)[32][4], float (&m_run)[2], 
 // Which kernels compute a full tile's S over half of D a warpgroup (s_tile_half_d) rather than
 // over all of D for half of the keys (s_tile): all but the bf16 warp-specialised one. On an
 // H100 (2026-12-07, CUDA events, docs/kernels.md "S over half of D") that moved the lockstep
-// cases and the FP8 warp-specialised ones by -0.3% to -2% and V4-Pro HCA bf16, the one bf16
+// cases and the FP8 warp-specialised ones by 0 to -2% and V4-Pro HCA bf16, the one bf16
 // warp-specialised case, by +2.4%.
 template <bool kFp8, bool kWarpSpecialised>
 constexpr bool kSOverHalfD = kFp8 || !kWarpSpecialised;
