@@ -200,51 +200,47 @@ __device__ __forceinline__ void expand_fp8_row(uint8_t* base, int row, int phase
 // The tile math both instantiations share. Fragment layout (m64nN accumulator, per thread):
 // sc[4j + e] is head row 16w + g + 8 (e >> 1), key key0 + 8j + 2 q4 + (e & 1).
 
-// S = Q K^T over D for the warpgroup's 32 keys, whose rows start at k_base: 32 steps of
-// k16, both operands from shared memory (a short tile: its first 16 keys only).
-template <bool kShort>
-__device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_t k_base) {
+// Q K^T into the accumulator `d` (zeroed first): kSteps k16 steps over the column blocks from
+// q_base / k_base (both operands in shared memory, 128-byte swizzle), `mma` the wgmma shape.
+// Descriptors built once; step ks adds its constant offset to the start-address field
+// (desc_advance). Built per step, each wgmma cost ~12 integer instructions and a move to a
+// uniform register (SASS of 097f3dd: 420 of a full tile's ~1,000 instructions a warp).
+template <int kSteps, int kRegs, class Mma>
+__device__ __forceinline__ void s_product(float (&d)[kRegs], uint32_t q_base, uint32_t k_base, Mma mma) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) sc[i] = 0.f;
-  // Descriptors built once; step ks adds its constant offset to the start-address field
-  // (desc_advance). Built per step, each wgmma cost ~12 integer instructions and a move to a
-  // uniform register (SASS of 097f3dd: 420 of a full tile's ~1,000 instructions a warp).
+  for (int i = 0; i < kRegs; ++i) d[i] = 0.f;
   const uint64_t da0 = gmma_desc_sw128(q_base, 16, 1024);
   const uint64_t db0 = gmma_desc_sw128(k_base, 16, 1024);
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
+  for (int ks = 0; ks < kSteps; ++ks) {
     const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;  // column block, k16 within it
-    const uint64_t da = desc_advance(da0, k_off);
-    const uint64_t db = desc_advance(db0, k_off);
-    if constexpr (kShort)
-      wgmma_m64n16k16_ss(sc, da, db, ks > 0);
-    else
-      wgmma_m64n32k16_ss(sc, da, db, ks > 0);
+    mma(d, desc_advance(da0, k_off), desc_advance(db0, k_off), ks > 0);
   }
   wgmma_commit();
   wgmma_wait<0>();
 #pragma unroll
-  for (int i = 0; i < 16; ++i) reg_fence(sc[i]);
+  for (int i = 0; i < kRegs; ++i) reg_fence(d[i]);
+}
+
+// S = Q K^T over D for the warpgroup's 32 keys, whose rows start at k_base: 32 steps of
+// k16, both operands from shared memory (a short tile: its first 16 keys only).
+template <bool kShort>
+__device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_t k_base) {
+  s_product<D / 16>(sc, q_base, k_base, [](float (&d)[16], uint64_t da, uint64_t db, int acc) {
+    if constexpr (kShort)
+      wgmma_m64n16k16_ss(d, da, db, acc);
+    else
+      wgmma_m64n32k16_ss(d, da, db, acc);
+  });
 }
 
 // Q K^T over 256 dims (the four 64-dim column blocks from q_half / k_half) for all 64 keys of a
 // tile: m64n64k16, 16 steps. part[4j + e] is head row 16w + g + 8 (e >> 1), key 8j + 2 q4 + (e & 1).
 __device__ __forceinline__ void s_half_d_partial(float (&part)[32], uint32_t q_half, uint32_t k_half) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) part[i] = 0.f;
-  const uint64_t da0 = gmma_desc_sw128(q_half, 16, 1024);
-  const uint64_t db0 = gmma_desc_sw128(k_half, 16, 1024);
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < D / 32; ++ks) {
-    const uint32_t k_off = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-    wgmma_m64n64k16_ss(part, desc_advance(da0, k_off), desc_advance(db0, k_off), ks > 0);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 32; ++i) reg_fence(part[i]);
+  s_product<D / 32>(part, q_half, k_half, [](float (&d)[32], uint64_t da, uint64_t db, int acc) {
+    wgmma_m64n64k16_ss(d, da, db, acc);
+  });
 }
 
 // s_tile's result for a full tile, computed as two halves of D (where kSOverHalfD says):
