@@ -21,7 +21,7 @@
 #                   CTAs fit in as few waves as a plain launch's): kernel_driver --wgmma-cluster
 #                   edge cases under timeout, memcheck, racecheck, then bench of the split cases
 #                   (CSA decode, HCA, dense 16k) with --wgmma, --wgmma-combine and --wgmma-cluster
-#   pair            the D-split CTA pair (candidate on branch dsplit-pair, written 2026-12-07, never
+#   pair            the D-split CTA pair (driver-only candidate, written 2026-12-07, never
 #                   run): kernel_driver --wgmma-pair edge cases under timeout, memcheck, racecheck,
 #                   then bench with --wgmma and --wgmma-pair alternating (its bf16 rows are the A/B)
 #   ab              the attention kernels against an older kernel_driver ($OLD_DRIVER, one built
