@@ -21,9 +21,6 @@
 #                   CTAs fit in as few waves as a plain launch's): kernel_driver --wgmma-cluster
 #                   edge cases under timeout, memcheck, racecheck, then bench of the split cases
 #                   (CSA decode, HCA, dense 16k) with --wgmma, --wgmma-combine and --wgmma-cluster
-#   pair            the D-split CTA pair (driver-only candidate, written 2026-12-07, never
-#                   run): kernel_driver --wgmma-pair edge cases under timeout, memcheck, racecheck,
-#                   then bench with --wgmma and --wgmma-pair alternating (its bf16 rows are the A/B)
 #   ab              the attention kernels against an older kernel_driver ($OLD_DRIVER, one built
 #                   before the change): bench of $AB_CASES (a case-name filter, default all ten;
 #                   about 50 s for all) with --wgmma-lockstep and --wgmma-ws, old and new
@@ -32,8 +29,6 @@
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
-#   half-probes     the half-row gather of a D-split CTA pair (--probe-half 1..5 half-tiles in
-#                   flight) beside the lockstep kernel, on $HALF_SHAPES ("B S H K;..." bf16)
 #   ws-sweep        bench-shape over K at H 128 (B 16, S 1), both schedules: where the
 #                   warp-specialised schedule starts to win (use_warp_specialised's threshold)
 #   moe-configs     moe_driver: the grouped GEMMs (FP8 and BF16) under each CUTLASS configuration
@@ -90,14 +85,6 @@ for step in "$@"; do
         run 60 "$DRIVER" bench-prep
         run 60 "$DRIVER" --prep-half bench-prep
       done ;;
-    pair)
-      run 60 "$DRIVER" --wgmma-pair
-      [ "$last" -ne 0 ] && echo "== pair: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
-      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-pair
-      run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-pair
-      for schedule in --wgmma --wgmma-pair --wgmma --wgmma-pair; do
-        run 60 "$DRIVER" "$schedule" --rope bench  # FP8 cases: lockstep under --wgmma-pair
-      done ;;
     cluster)
       run 60 "$DRIVER" --wgmma-cluster
       [ "$last" -ne 0 ] && echo "== cluster: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
@@ -118,14 +105,6 @@ for step in "$@"; do
     probes)
       for mode in --wgmma-lockstep --probe-gather1 --probe-gather2 --probe-math --wgmma-lockstep; do
         run 150 "$DRIVER" "$mode" bench "${PROBE_CASES:-dense 16k}"
-      done ;;
-    half-probes)
-      IFS=';' read -ra shapes <<<"${HALF_SHAPES:-32 1 64 16384;64 1 64 640}"
-      for shape in "${shapes[@]}"; do
-        run 60 "$DRIVER" --wgmma-lockstep bench-shape $shape
-        for depth in 1 2 3 4 5; do
-          run 60 "$DRIVER" --probe-half "$depth" bench-shape $shape
-        done
       done ;;
     ws-sweep)
       for k in 1024 1536 2048 3072 4096 6144 8192; do

@@ -25,14 +25,12 @@ struct AttnWorkItem {
   int64_t bs;
 };
 
-// `x`: the CTA's index along the grid's first dimension (blockIdx.x, or the pair index of a
-// D-split pair).
-__device__ __forceinline__ AttnWorkItem attn_work_item(const SparseSinkAttentionParams& p, unsigned x) {
+__device__ __forceinline__ AttnWorkItem attn_work_item(const SparseSinkAttentionParams& p) {
   constexpr int BM = kAttnHeadsPerCta, BK = kAttnKeysPerTile;
   const int nhb = (p.heads + BM - 1) / BM;
   AttnWorkItem w;
-  w.h0 = (x % nhb) * BM;
-  w.bs = int64_t(blockIdx.z) * p.seq + x / nhb;
+  w.h0 = (blockIdx.x % nhb) * BM;
+  w.bs = int64_t(blockIdx.z) * p.seq + blockIdx.x / nhb;
   w.split = blockIdx.y;
   const int k_total = p.k_main + p.k_extra;
   const int tiles_all = (k_total + BK - 1) / BK;
@@ -41,10 +39,6 @@ __device__ __forceinline__ AttnWorkItem attn_work_item(const SparseSinkAttention
   w.key_end = min(k_total, w.key_begin + tps * BK);
   w.ntiles = w.key_end > w.key_begin ? (w.key_end - w.key_begin + BK - 1) / BK : 0;
   return w;
-}
-
-__device__ __forceinline__ AttnWorkItem attn_work_item(const SparseSinkAttentionParams& p) {
-  return attn_work_item(p, blockIdx.x);
 }
 
 __device__ __forceinline__ float sink_factor(const float* sink, int h, float lse) {

@@ -95,14 +95,6 @@ cudaError_t run_sparse_sink_attention_wgmma_combine(const SparseSinkAttentionPar
 enum class AttnProbe { kGatherDepth1, kGatherDepth2, kMathOnly };
 cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParams& p, AttnProbe probe,
                                                   cudaStream_t stream);
-// Candidate: a D-split pair of CTAs (one cluster) per work item, each holding half of D of Q,
-// the rows and O, two pairs an SM (bf16 pools; FP8 pools run the lockstep kernel);
-// kernel_driver --wgmma-pair. Never in the library until it has run and won.
-cudaError_t run_sparse_sink_attention_wgmma_pair(const SparseSinkAttentionParams& p, cudaStream_t stream);
-// The memory pipeline of a D-split pair of CTAs: each gathers its 512-byte half of every row
-// into 32 KB half-tiles, `depth` (1..5) of them in flight; p.num_splits as given.
-cudaError_t run_sparse_sink_attention_halfrow_probe(const SparseSinkAttentionParams& p, int depth,
-                                                    cudaStream_t stream);
 #endif
 
 }  // namespace jds

@@ -4,7 +4,6 @@
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
 //   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
-//   kernel_driver ... --wgmma-pair  the candidate D-split CTA pair (bf16 pools; FP8 pools lockstep)
 //   kernel_driver ... --wgmma-cluster / --wgmma-combine  the dispatched wgmma schedule with split
 //                            partials merged in a cluster (whenever 2..8 splits) / by the combine
 //                            launch; --wgmma lets use_cluster_merge choose
@@ -18,8 +17,7 @@
 //   kernel_driver ... --probe-gather1 / --probe-gather2 / --probe-math  time a diagnostic
 //                            launch instead (AttnProbe: the lockstep kernel's gather alone with
 //                            one or two tiles in flight, or its compute alone); bench only, the
-//                            outputs are garbage; --probe-half N: the half-row gather of a D-split
-//                            CTA pair with N (1..5) 32 KB half-tiles in flight
+//                            outputs are garbage
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -50,18 +48,9 @@ static cudaError_t probe_gather2(const jds::SparseSinkAttentionParams& p, cudaSt
 static cudaError_t probe_math(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
   return jds::run_sparse_sink_attention_wgmma_probe(p, jds::AttnProbe::kMathOnly, s);
 }
-static int choose_splits(int b, int s, int h, int k_total, int sms);
-// --probe-half N: the half-row gather of a D-split CTA pair, N half-tiles in flight; two CTAs
-// a work item, so the split count is chosen as for twice the query rows.
-static int half_depth = 0, half_sms = 132;
 // --prep-half: prep rows of <= 1 KB half a warp each where the layout allows
 // (RmsNormRopeParams::half_warp_rows), the layout the library dispatches since a3f6df1.
 static int prep_half = 0;
-static cudaError_t probe_half(const jds::SparseSinkAttentionParams& p, cudaStream_t s) {
-  jds::SparseSinkAttentionParams q = p;
-  q.num_splits = choose_splits(p.batch, 2 * p.seq, p.heads, p.k_main + p.k_extra, half_sms);
-  return jds::run_sparse_sink_attention_halfrow_probe(q, half_depth, s);
-}
 
 template <class T>
 T* upload(const std::vector<T>& h) {
@@ -604,8 +593,6 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_lockstep;
     } else if (std::strcmp(argv[i], "--wgmma-ws") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
-    } else if (std::strcmp(argv[i], "--wgmma-pair") == 0) {
-      run_attn = jds::run_sparse_sink_attention_wgmma_pair;
     } else if (std::strcmp(argv[i], "--wgmma-cluster") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_cluster;
     } else if (std::strcmp(argv[i], "--wgmma-combine") == 0) {
@@ -620,26 +607,20 @@ int main(int argc, char** argv) {
       run_attn = probe_gather2;
     } else if (std::strcmp(argv[i], "--probe-math") == 0) {
       run_attn = probe_math;
-    } else if (std::strcmp(argv[i], "--probe-half") == 0 && i + 1 < argc) {
-      run_attn = probe_half;
-      half_depth = std::atoi(argv[++i]);
-      half_sms = sms;
     } else if (nargs < 6) {
       args[nargs++] = argv[i];
     }
   }
-  const bool probe = run_attn == probe_gather1 || run_attn == probe_gather2 || run_attn == probe_math || run_attn == probe_half;
+  const bool probe = run_attn == probe_gather1 || run_attn == probe_gather2 || run_attn == probe_math;
   if (prep_half) std::printf("prep: rows of <= 1 KB half a warp each where the layout allows\n");
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
-                                         : run_attn == jds::run_sparse_sink_attention_wgmma_pair  ? "wgmma D-split pair (candidate; FP8 pools: lockstep)"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_cluster ? "wgmma, split partials merged in a cluster"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_combine ? "wgmma, split partials through the combine launch"
                                          : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
                                          : run_attn == probe_gather2 ? "probe: lockstep gather alone, 2 tiles in flight"
                                          : run_attn == probe_math    ? "probe: lockstep compute alone"
-                                         : run_attn == probe_half    ? "probe: half-row gather of a D-split pair"
                                                                      : "wgmma lockstep");
   if (nargs > 0 && std::strcmp(args[0], "bench-shape") == 0) return bench_shape(sms, args, nargs);
   if (nargs > 0 && std::strcmp(args[0], "bench") == 0) return bench(sms, nargs > 1 ? args[1] : nullptr);
