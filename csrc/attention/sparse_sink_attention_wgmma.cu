@@ -235,14 +235,6 @@ __device__ __forceinline__ void s_tile(float (&sc)[16], uint32_t q_base, uint32_
   });
 }
 
-// Q K^T over 256 dims (the four 64-dim column blocks from q_half / k_half) for all 64 keys of a
-// tile: m64n64k16, 16 steps. part[4j + e] is head row 16w + g + 8 (e >> 1), key 8j + 2 q4 + (e & 1).
-__device__ __forceinline__ void s_half_d_partial(float (&part)[32], uint32_t q_half, uint32_t k_half) {
-  s_product<D / 32>(part, q_half, k_half, [](float (&d)[32], uint64_t da, uint64_t db, int acc) {
-    wgmma_m64n64k16_ss(d, da, db, acc);
-  });
-}
-
 // s_tile's result for a full tile, computed as two halves of D (where kSOverHalfD says):
 // warpgroup c multiplies dims 256c .. 256c + 255 of Q by the same dims of all 64 keys
 // (m64n64k16, 16 steps), hands its partner tid ^ 128 its partial sums of the partner's 32
@@ -256,7 +248,9 @@ __device__ __forceinline__ void s_tile_half_d(float (&sc)[16], uint8_t* smem, ui
                                               int tid, int c) {
   float part[32];
   const uint32_t half = c * 4 * kBlockBytes;  // column blocks 4c .. 4c + 3
-  s_half_d_partial(part, q_base + half, kv_base + half);
+  s_product<D / 32>(part, q_base + half, kv_base + half, [](float (&d)[32], uint64_t da, uint64_t db, int acc) {
+    wgmma_m64n64k16_ss(d, da, db, acc);
+  });
   uint4* xs = reinterpret_cast<uint4*>(smem + kOffXS);  // [k][thread]: keys 8 (4c' + k) .. of the reader c'
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -1041,7 +1035,6 @@ cudaError_t launch_gather_probe(const SparseSinkAttentionParams& p, cudaStream_t
 }
 #endif
 
-
 // The pool the setmaxnreg split assumes is the kernel's launch allocation (kLaunchRegs a
 // thread); were ptxas ever to allocate fewer, the consumers' setmaxnreg.inc would wait
 // forever. Checked once per instantiation on the host, so that case is an error, not a hang.
@@ -1229,7 +1222,6 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
   return launch_sparse_sink_attention_combine(p, stream);
 }
 #endif
-
 
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return run_schedule(p, dispatched_schedule(p), stream);
