@@ -102,5 +102,11 @@ if(JAX_DSPARK_BUILD_DRIVER)
   target_compile_options(kernel_driver PRIVATE ${_jds_gencode} -O3)
   # diagnostic launches (AttnProbe in attention/params.h): never compiled into the library
   target_compile_definitions(kernel_driver PRIVATE JAX_DSPARK_ATTENTION_PROBES)
+  # per-CTA phase timestamps (set_attention_timeline, kernel_driver --timeline): a build of its
+  # own, since the marks add stores to every attention kernel
+  option(JAX_DSPARK_ATTENTION_TIMELINE "kernel_driver: record per-CTA attention timelines" OFF)
+  if(JAX_DSPARK_ATTENTION_TIMELINE)
+    target_compile_definitions(kernel_driver PRIVATE JAX_DSPARK_ATTENTION_TIMELINE)
+  endif()
   target_link_libraries(kernel_driver PRIVATE CUDA::cudart_static)
 endif()

@@ -88,6 +88,17 @@ __device__ __forceinline__ uint32_t output_pair(const SparseSinkAttentionParams&
   return pack_bf16x2(x0, x1);
 }
 
+// The same with the query row's (cos, sin) pairs at `cs` (any memory; null: no inverse RoPE).
+__device__ __forceinline__ uint32_t output_pair(float x0, float x1, const float2* cs, int dim, int rope_lo) {
+  if (cs != nullptr && dim >= rope_lo) inverse_rope_pair(x0, x1, cs[(dim - rope_lo) / 2]);
+  return pack_bf16x2(x0, x1);
+}
+
+// The (cos, sin) pairs of query row bs in global memory (the call must have an inverse RoPE).
+__device__ __forceinline__ const float2* inv_rope_row(const SparseSinkAttentionParams& p, int64_t bs) {
+  return reinterpret_cast<const float2*>(p.inv_rope) + bs * (p.rope_dim / 2);
+}
+
 // One warp merges the split partials of output row `row` (head h of query row bs) by their
 // log-sum-exp, then applies the sink and the inverse RoPE and stores the bf16 row and its lse;
 // lane l holds dims 128 k + 4 l .. 128 k + 4 l + 3 for k = 0..3, so each float4 read is one
@@ -95,8 +106,8 @@ __device__ __forceinline__ uint32_t output_pair(const SparseSinkAttentionParams&
 // rows in the cluster merge hit a 16-way bank conflict) and each store a 256-byte one.
 // `split_lse(sp)`: split sp's lse (natural log, sink excluded, -inf when it saw no valid
 // row); `split_chunk(sp, k)`: the float4 at dims 128 k + 4 l of split sp's normalised
-// partial O / l. Where the partials live is the caller's: global memory for the combine
-// kernel, the cluster's shared memory for the wgmma kernels' cluster merge (finish_rows<true>).
+// partial O / l, in global memory (the wgmma kernels' cluster merge has its own layout:
+// merge_cluster_rows).
 template <class SplitLse, class SplitChunk>
 __device__ __forceinline__ void combine_row(const SparseSinkAttentionParams& p, int64_t row, int h, int64_t bs,
                                             int lane, SplitLse&& split_lse, SplitChunk&& split_chunk) {

@@ -97,4 +97,15 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
                                                   cudaStream_t stream);
 #endif
 
+#ifdef JAX_DSPARK_ATTENTION_TIMELINE
+// Timeline builds of kernel_driver only (cmake -DJAX_DSPARK_ATTENTION_TIMELINE=ON): while a
+// buffer is set, thread 0 of every wgmma attention CTA (either schedule) records
+// kAttnTimelineWords words at its linear block index: clock64 at eight marks (entry, Q and
+// tile 0 issued (lockstep only), tile 0 ready, last tile done, lse known, output staged,
+// stores begun, epilogue done; TimelineSlot in the .cu), %globaltimer (ns) at entry and exit,
+// %smid and its tile count. `ctas` bounds the index; a null buffer turns it off.
+constexpr int kAttnTimelineWords = 12;
+cudaError_t set_attention_timeline(unsigned long long* buffer, int ctas);
+#endif
+
 }  // namespace jds

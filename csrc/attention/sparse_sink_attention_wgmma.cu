@@ -77,7 +77,11 @@ constexpr int kOffXRow = kOffValid + 2 * BK;
 constexpr int kOffXP = kOffXRow + 2 * BM * 4;
 // The partial sums of S over half of D that the warpgroups swap (s_tile_half_d), 16 KB.
 constexpr int kOffXS = kOffXP + kThreads * 32;
-constexpr int kSmemBytes = kOffXS + kThreads * 64;
+// The epilogue's constants (load_epilogue_constants): the sink logits of the CTA's 64 heads
+// and the query row's inverse-RoPE (cos, sin) pairs (rope_dim / 2 <= 256 of them).
+constexpr int kOffSink = kOffXS + kThreads * 64;
+constexpr int kOffCs = kOffSink + BM * 4;
+constexpr int kSmemBytes = kOffCs + (D / 2) * 8;
 constexpr int kMaxClusterSplits = 8;  // splits merged in one cluster at most (the portable cluster size)
 constexpr int kNopeChunks = kAttnNopeDim / 8;  // FP8 rows: 8-dim chunks held as e4m3 (56)
 static_assert(kOffXP % 16 == 0, "swap area: uint4 stores");
@@ -85,6 +89,7 @@ static_assert(kNopeChunks % 4 == 0 && kNopeChunks / 4 == 14, "each thread holds 
 static_assert(kAttnScaleBlock == 64, "expand_fp8_row: chunk i of a thread uses scale block i / 2");
 static_assert(BM == 64 && BK == 64, "one row per 4 threads, 64 rows per tile and per Q block");
 static_assert(kThreads == 4 * BK, "the gather maps thread -> (row, chunk phase)");
+static_assert(D / 2 <= kThreads && BM <= kThreads, "load_epilogue_constants: one value a thread");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
 
 
@@ -195,6 +200,42 @@ __device__ __forceinline__ void expand_fp8_row(uint8_t* base, int row, int phase
 #pragma unroll
   for (int i = 0; i < kNopeChunks / 4; ++i)
     *reinterpret_cast<uint4*>(base + chunk_offset(row, phase + 4 * i)) = expanded_chunk(staged[i], scale, i);
+}
+
+// Where a CTA's time goes (timeline builds only; set_attention_timeline): thread 0 records
+// clock64 at mark `slot` and, at the first and last, %globaltimer, its SM and tile count, so
+// the host can line CTAs of one SM up and convert cycles to time. A no-op in other builds.
+enum TimelineSlot {
+  kTlStart,      // work item known
+  kTlIssued,     // lockstep: Q and tile 0 issued (after the tile-0 index load)
+  kTlFirstTile,  // Q and tile 0 landed (past the barrier)
+  kTlLastTile,   // past the last tile's P V
+  kTlStats,      // finish_rows: row sums swapped, lse known
+  kTlStaged,     // output rows (or f32 partials) written to shared memory
+  kTlStoring,    // past the barrier (or first cluster sync) before the stores / merge
+  kTlEnd,        // finish_rows returned
+};
+#ifdef JAX_DSPARK_ATTENTION_TIMELINE
+__device__ unsigned long long* g_timeline = nullptr;
+__device__ int g_timeline_ctas = 0;
+#endif
+__device__ __forceinline__ void timeline_mark([[maybe_unused]] TimelineSlot slot, [[maybe_unused]] int ntiles = 0) {
+#ifdef JAX_DSPARK_ATTENTION_TIMELINE
+  static_assert(kTlEnd + 5 == kAttnTimelineWords, "timeline record layout");
+  if (threadIdx.x != 0 || g_timeline == nullptr) return;
+  const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta >= g_timeline_ctas) return;
+  unsigned long long* rec = g_timeline + int64_t(cta) * kAttnTimelineWords;
+  rec[slot] = clock64();
+  if (slot == kTlStart || slot == kTlEnd) {
+    unsigned long long ns, sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    asm volatile("{ .reg .u32 s; mov.u32 s, %%smid; cvt.u64.u32 %0, s; }" : "=l"(sm));
+    rec[slot == kTlStart ? kTlEnd + 1 : kTlEnd + 2] = ns;
+    rec[kTlEnd + 3] = sm;
+    rec[kTlEnd + 4] = ntiles;
+  }
+#endif
 }
 
 // The tile math both instantiations share. Fragment layout (m64nN accumulator, per thread):
@@ -516,6 +557,82 @@ __device__ __forceinline__ void stage_f32_row(uint8_t* dst, const float (&o)[32]
     *reinterpret_cast<float2*>(dst + (dim_first + 8 * n) * 4) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
 }
 
+// The cluster merge of finish_rows<true>: CTA `rank` of the n split CTAs merges rows rank,
+// rank + n, ... (at most 32), eight threads a row; thread t takes row rank + n (t / 8) and its
+// 16-byte chunks t % 8 + 8 i (dims 4 (t % 8 + 8 i) .. + 3, so a warp's read of chunk i is 128
+// contiguous bytes of each of its four rows: no bank conflict at the 2080-byte pitch). Each
+// group of kMergeChunks chunks is read from two splits at once, so with two splits a thread
+// waits on nine distributed-shared-memory round trips: the lse values, then eight groups.
+// (Larger groups, or the group loop unrolled, made ptxas spill 208 bytes in the FP8
+// warp-specialised cluster kernel's producers, whose region has 112 registers.) The first
+// version (one warp a row through combine_row: the lse values, then each split in turn, then
+// the sink and the (cos, sin) pairs from global memory, four rows a warp one after another)
+// took 7.3 us of CSA decode's 29 us a CTA (H100 timeline). The arithmetic is combine_row's: weights
+// exp(lse_sp - max) / sum, splits added in order, then the sink factor and the inverse RoPE;
+// `sink` and `cs` point at load_epilogue_constants's copies (null when absent).
+constexpr int kMergeChunks = 2;  // 16-byte chunks a thread reads from each split at once
+__device__ __forceinline__ void merge_cluster_rows(const SparseSinkAttentionParams& p, uint32_t rows_base,
+                                                   uint32_t lse_base, const float* sink, const float2* cs, int64_t bs,
+                                                   int h0, int tid) {
+  const int n = p.num_splits, rank = int(cluster_ctarank());
+  const int lr = rank + n * (tid >> 3), part = tid & 7;
+  if (lr >= BM || h0 + lr >= p.heads) return;
+  float l_sp[kMaxClusterSplits];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int sp = 0; sp < kMaxClusterSplits; ++sp) {
+    l_sp[sp] = sp < n ? ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)) : -INFINITY;
+    mx = fmaxf(mx, l_sp[sp]);
+  }
+  float w[kMaxClusterSplits], sum = 0.f;
+#pragma unroll
+  for (int sp = 0; sp < kMaxClusterSplits; ++sp) {
+    w[sp] = mx == -INFINITY ? 0.f : __expf(l_sp[sp] - mx);
+    sum += w[sp];
+  }
+  const float lse = mx == -INFINITY ? -INFINITY : mx + __logf(sum);
+  const float f = sink_factor(sink, lr, lse);
+  const int rope_lo = D - p.rope_dim;
+  const int64_t row = bs * p.heads + h0 + lr;
+  __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(p.out) + row * D;
+#pragma unroll 1
+  for (int g = 0; g < 16 / kMergeChunks; ++g) {
+    float a[kMergeChunks][4] = {};
+#pragma unroll
+    for (int sp0 = 0; sp0 < kMaxClusterSplits; sp0 += 2) {  // two splits' chunks in flight at once (n = 2: all)
+      if (sp0 >= n) break;
+      float4 v[2][kMergeChunks];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int k = 0; k < kMergeChunks; ++k)
+          if (sp0 + j < n)
+            v[j][k] = ld_cluster_f32x4(
+                cluster_map(rows_base + lr * kStageRowF32 + (part + 8 * (kMergeChunks * g + k)) * 16, sp0 + j));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float wj = sp0 + j < n ? w[sp0 + j] : 0.f;
+        if (wj == 0.f) continue;
+        const float ws = wj / sum;
+#pragma unroll
+        for (int k = 0; k < kMergeChunks; ++k) {
+          a[k][0] += ws * v[j][k].x;
+          a[k][1] += ws * v[j][k].y;
+          a[k][2] += ws * v[j][k].z;
+          a[k][3] += ws * v[j][k].w;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMergeChunks; ++k) {
+      const int dim = 4 * (part + 8 * (kMergeChunks * g + k));
+      *reinterpret_cast<uint2*>(out_row + dim) = make_uint2(output_pair(a[k][0] * f, a[k][1] * f, cs, dim, rope_lo),
+                                                            output_pair(a[k][2] * f, a[k][3] * f, cs, dim + 2, rope_lo));
+    }
+  }
+  if (part == 0) p.lse[row] = lse;
+}
+
 // kCluster: the num_splits (2..8) CTAs of a work item form one thread-block cluster and merge
 // their partials through distributed shared memory (use_cluster_merge says when): each stages
 // its normalised f32 rows and their lse (in the P swap area), the cluster syncs, CTA `rank`'s
@@ -530,9 +647,13 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
                                             int split, int tid) {
   const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
   const RowStats r = row_stats(smem, m_run, l_run, tid);
+  timeline_mark(kTlStats);
   const int64_t rows = int64_t(p.batch) * p.seq * p.heads;
   const int dim_first = 256 * c + 2 * q4, rope_lo = D - p.rope_dim;
   float* lse_rows = reinterpret_cast<float*>(smem + kOffXP);  // kCluster: this CTA's partial lse
+  // load_epilogue_constants's copies (null where the call has no sink / no inverse RoPE)
+  const float* sink = p.sink == nullptr ? nullptr : reinterpret_cast<const float*>(smem + kOffSink);
+  const float2* cs_row = p.inv_rope == nullptr ? nullptr : reinterpret_cast<const float2*>(smem + kOffCs);
   named_barrier_sync(kEpilogueBar, kThreads);  // every compute warp past its last S and P V
   if (!kCluster && p.num_splits == 1) {
     // Whole rows: bf16 (sink applied, RoPE dims rotated back when asked) into the staged rows,
@@ -545,7 +666,7 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int h = h0 + lr0 + 8 * i;
-      f[i] = h < p.heads ? r.inv[i] * sink_factor(p.sink, h, r.lse[i]) : 0.f;
+      f[i] = h < p.heads ? r.inv[i] * sink_factor(sink, lr0 + 8 * i, r.lse[i]) : 0.f;
     }
     uint8_t* dst = smem + lr0 * kStageRowBf16;
     if (p.inv_rope == nullptr) {
@@ -556,13 +677,12 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
         *reinterpret_cast<uint32_t*>(dst + 8 * kStageRowBf16 + dim * 2) = pack_bf16x2(o[n][2] * f[1], o[n][3] * f[1]);
       }
     } else {  // one (cos, sin) load a pair for both rows: they belong to the same query row bs
-      const float2* cs_row = reinterpret_cast<const float2*>(p.inv_rope) + bs * (p.rope_dim / 2);
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
         const int dim = dim_first + 8 * n;
         float a0 = o[n][0] * f[0], a1 = o[n][1] * f[0], b0 = o[n][2] * f[1], b1 = o[n][3] * f[1];
         if (dim >= rope_lo) {
-          const float2 cs = cs_row[(dim - rope_lo) / 2];
+          const float2 cs = cs_row[(dim - rope_lo) / 2];  // shared memory
           inverse_rope_pair(a0, a1, cs);
           inverse_rope_pair(b0, b1, cs);
         }
@@ -581,7 +701,9 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
     // issuing lane waits only until its row has been read out of shared memory (the CTA may
     // exit then); the other warps leave at once, instead of 16 stores a thread and their drain.
     fence_proxy_async_smem();  // the staged rows, before the bulk copies read them
+    timeline_mark(kTlStaged);
     named_barrier_sync(kEpilogueBar, kThreads);
+    timeline_mark(kTlStoring);
     if (tid < BM && h0 + tid < p.heads) {
       bulk_copy_s2g(static_cast<uint8_t*>(p.out) + (bs * p.heads + h0 + tid) * (D * 2), smem + tid * kStageRowBf16,
                     D * 2);
@@ -602,19 +724,11 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
         p.partial_lse[int64_t(split) * rows + bs * p.heads + h] = r.lse[i];
     }
   }
+  timeline_mark(kTlStaged);
   if constexpr (kCluster) {  // launched with 2..kMaxClusterSplits splits only (launch_attention)
     cluster_sync();
-    const int n = p.num_splits, rank = int(cluster_ctarank()), warp = tid >> 5;
-    const uint32_t rows_base = smem_addr(smem), lse_base = smem_addr(lse_rows);
-    for (int lr = rank + n * warp; lr < BM; lr += n * (kThreads / 32)) {
-      const int h = h0 + lr;
-      if (h >= p.heads) continue;
-      combine_row(
-          p, bs * p.heads + h, h, bs, lane, [&](int sp) { return ld_cluster_f32(cluster_map(lse_base + lr * 4, sp)); },
-          [&](int sp, int k) {
-            return ld_cluster_f32x4(cluster_map(rows_base + lr * kStageRowF32 + k * 512 + lane * 16, sp));
-          });
-    }
+    timeline_mark(kTlStoring);
+    merge_cluster_rows(p, smem_addr(smem), smem_addr(lse_rows), sink, cs_row, bs, h0, tid);
     cluster_sync();
     return;
   }
@@ -622,6 +736,7 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
   // copy a row, as for whole rows, made dense 16k 28% slower on the H100: 64 issuing lanes
   // for 128 KB a CTA against 256 threads' stores.)
   named_barrier_sync(kEpilogueBar, kThreads);
+  timeline_mark(kTlStoring);
   uint8_t* out = reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
   for (int k = tid; k < (BM << 7); k += kThreads) {
     const int lr = k >> 7, ch = k & 127, h = h0 + lr;
@@ -629,6 +744,21 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
       *reinterpret_cast<uint4*>(out + ((bs * p.heads + h) << 11) + ch * 16) =
           *reinterpret_cast<const uint4*>(smem + lr * kStageRowF32 + ch * 16);
   }
+}
+
+// The epilogue's per-CTA constants into shared memory (kOffSink, kOffCs) while the tiles
+// run: read in finish_rows, they cost a global round trip or two after the last tile (the
+// timeline of the DSpark block on an H100: 2.4 us from lse to staged rows with them, 0.85
+// without inverse RoPE; the cluster merge of CSA decode 7.3 us for its 32 rows a CTA).
+// Plain loads: the thread waits for them at its shared store, inside the wait for tile 0.
+// Visible to the epilogue after the first tile's barrier (or the one the caller adds when
+// the CTA has no tile).
+__device__ __forceinline__ void load_epilogue_constants(const SparseSinkAttentionParams& p, uint8_t* smem, int64_t bs,
+                                                        int h0, int tid) {
+  if (p.sink != nullptr && tid < BM)
+    reinterpret_cast<float*>(smem + kOffSink)[tid] = h0 + tid < p.heads ? p.sink[h0 + tid] : 0.f;
+  if (p.inv_rope != nullptr && tid < p.rope_dim / 2)
+    reinterpret_cast<float2*>(smem + kOffCs)[tid] = inv_rope_row(p, bs)[tid];
 }
 
 // This thread's share of the Q block (heads h0 .. h0 + 63 of query row bs) into `dst` in the
@@ -660,19 +790,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
   const int h0 = item.h0, split = item.split, key_begin = item.key_begin, key_end = item.key_end;
   const int ntiles = item.ntiles;
   const int64_t bs = item.bs;
+  timeline_mark(kTlStart, ntiles);
 
   const int tid = threadIdx.x;
   const int row = tid >> 2;    // gather: row of the tile / head of the Q block
   const int phase = tid & 3;   // gather: chunks phase, phase + 4, ...
 
-  // Q block (absent heads as zeros) and tile 0: cp.async group 0.
+  // Q block (absent heads as zeros) and tile 0: cp.async group 0. The tile-0 index load goes
+  // first, so that it is in flight while the Q copies issue instead of after them.
   issue_q_block(p, smem + kOffQ, bs, h0, row, phase);
   int next_idx = -1;
   IssuedRow in_flight{false, make_uint2(0u, 0u)};
   if (ntiles > 0)
     in_flight = gather_tile<kFp8>(p, smem, 0, key_begin, key_end, row, phase, row_index(p, 0, key_begin, key_end, bs, row));
   cp_async_commit();
+  timeline_mark(kTlIssued);
   if (ntiles > 1) next_idx = row_index(p, 1, key_begin, key_end, bs, row);
+  load_epilogue_constants(p, smem, bs, h0, tid);
 
   float o[32][4], m_run[2], l_run[2];
   init_rows(o, m_run, l_run);
@@ -692,6 +826,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
     }
     fence_proxy_async_smem();  // its plain and cp.async stores, before wgmma reads them
     __syncthreads();
+    if (t == 0) timeline_mark(kTlFirstTile, ntiles);
     in_flight = IssuedRow{false, make_uint2(0u, 0u)};
     if (t + 1 < ntiles && (!kMathOnly || t + 1 < 2)) {
       in_flight = gather_tile<kFp8>(p, smem, t + 1, key_begin, key_end, row, phase, next_idx);
@@ -703,8 +838,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
                                             min(BK, key_end - (key_begin + t * BK)), sl2, tid, wg);
   }
   cp_async_wait<0>();  // nothing may be in flight at exit (Q when ntiles == 0)
+  if (ntiles == 0) __syncthreads();  // load_epilogue_constants's stores, before finish_rows reads them
+  timeline_mark(kTlLastTile, ntiles);
 
   finish_rows<kCluster>(p, smem, o, m_run, l_run, bs, h0, split, tid);
+  timeline_mark(kTlEnd, ntiles);
 }
 
 
@@ -852,8 +990,10 @@ __device__ __forceinline__ void store_fp8_producer_row(const SparseSinkAttention
   if (phase == 0) valid[row] = r.idx >= 0;
 }
 
+// `issue_q`: the caller's copies of the Q block, issued once tile 0's index loads are in flight.
+template <class IssueQ>
 __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParams& p, uint8_t* smem,
-                                                  const AttnWorkItem& item, int pt) {
+                                                  const AttnWorkItem& item, int pt, IssueQ&& issue_q) {
   const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
   const int64_t bs = item.bs;
   const int row0 = pt >> 2, phase = pt & 3;
@@ -869,6 +1009,7 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
     for (int r = 0; r < 2; ++r) held[r] = load_fp8_producer_row(p, in_main(t, r), phase, idx[r]);
   };
   load_indices(0);
+  issue_q();
   load_rows(0);
   load_indices(1);
   for (int t = 0; t < ntiles; ++t) {
@@ -912,6 +1053,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
   const int64_t bs = item.bs;
   const int tid = threadIdx.x;
+  timeline_mark(kTlStart, ntiles);
 
   if (tid >= kThreads) {  // producer warpgroup
     setmaxnreg_dec<kProducerRegs<kFp8>>();
@@ -922,13 +1064,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     const uint8_t* q = static_cast<const uint8_t*>(p.q);
     // No tile, no Q either: nothing would wait for its copies before the epilogue stages rows over it.
     if (ntiles == 0) return producers_leave<kCluster>(p.num_splits);
-    {  // Q block, absent heads as zeros (their rows of O are never stored)
+    // Q block, absent heads as zeros (their rows of O are never stored). Issued once the first
+    // tiles' index loads are in flight, so their latency runs under the Q copies' issue.
+    auto issue_q = [&] {
       const uint8_t* q_rows = q + bs * p.heads * int64_t(D * 2);  // head h of this query row at h * 1024
       const int h = item.h0 + my_row;
       issue_rows(smem_addr(smem + kOffQ), q_rows, q_rows, BK, h < p.heads ? h : -1, q, pw, lane);
-    }
+    };
     if constexpr (kFp8) {
-      produce_fp8_tiles(p, smem, item, tid - kThreads);
+      produce_fp8_tiles(p, smem, item, tid - kThreads, issue_q);
       return producers_leave<kCluster>(p.num_splits);
     }
     // Tile t into stage t % 2, with its row-validity flags; `eff` from `index_of(t)`.
@@ -940,8 +1084,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
       cp_async_commit();
     };
     int eff = -1;
-    issue_tile(0, index_of(0));  // one group with Q
-    if (ntiles > 1) issue_tile(1, index_of(1));
+    const int eff0 = index_of(0), eff1 = ntiles > 1 ? index_of(1) : -1;
+    issue_q();
+    issue_tile(0, eff0);  // one group with Q
+    if (ntiles > 1) issue_tile(1, eff1);
     if (ntiles > 2) eff = index_of(2);
     // Announce tile 0; then, the consumers on tile t: announce t + 1 once landed, take
     // stage t % 2 back once they are done with t, gather t + 2 into it.
@@ -965,6 +1111,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   }
 
   setmaxnreg_inc<kConsumerRegs<kFp8>>();
+  load_epilogue_constants(p, smem, bs, item.h0, tid);
+  if (ntiles == 0) named_barrier_sync(kEpilogueBar, kThreads);  // its stores, before finish_rows reads them
   float o[32][4], m_run[2], l_run[2];
   init_rows(o, m_run, l_run);
   const float sl2 = p.scale * kLog2e;
@@ -973,11 +1121,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   for (int t = 0; t < ntiles; ++t) {
     const int stage = t & 1;
     named_barrier_sync(kFullBar + stage, kWsThreads);
+    if (t == 0) timeline_mark(kTlFirstTile, ntiles);
     consume_stage<kSOverHalfD<kFp8, true>>(o, m_run, l_run, smem, q_base, stage,
                                            min(BK, key_end - (key_begin + t * BK)), sl2, tid, wg);
     if (t + 2 < ntiles) named_barrier_arrive(kEmptyBar + stage, kWsThreads);  // its wgmmas have completed
   }
+  timeline_mark(kTlLastTile, ntiles);
   finish_rows<kCluster>(p, smem, o, m_run, l_run, bs, item.h0, item.split, tid);
+  timeline_mark(kTlEnd, ntiles);
 }
 
 #ifdef JAX_DSPARK_ATTENTION_PROBES
@@ -1220,6 +1371,13 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
   }
   if (err != cudaSuccess || p.num_splits == 1) return err;
   return launch_sparse_sink_attention_combine(p, stream);
+}
+#endif
+
+#ifdef JAX_DSPARK_ATTENTION_TIMELINE
+cudaError_t set_attention_timeline(unsigned long long* buffer, int ctas) {
+  const cudaError_t err = cudaMemcpyToSymbol(g_timeline, &buffer, sizeof(buffer));
+  return err != cudaSuccess ? err : cudaMemcpyToSymbol(g_timeline_ctas, &ctas, sizeof(ctas));
 }
 #endif
 

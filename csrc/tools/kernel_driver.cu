@@ -18,6 +18,9 @@
 //                            launch instead (AttnProbe: the lockstep kernel's gather alone with
 //                            one or two tiles in flight, or its compute alone); bench only, the
 //                            outputs are garbage
+//   kernel_driver bench ... --timeline  (timeline builds: -DJAX_DSPARK_ATTENTION_TIMELINE=ON) one
+//                            more launch of each case recording every CTA's phases
+//                            (set_attention_timeline), summarised as a second JSON line
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -476,6 +479,100 @@ static double event_us(int iters, Launch&& launch) {
 
 // Timing of one case: JSON line with the event time, split count and rates.
 static bool bench_rope = false;  // --rope: the bench cases with the inverse-RoPE epilogue (as the V4 models call it)
+[[maybe_unused]] static bool bench_timeline = false;  // --timeline (timeline builds)
+
+#ifdef JAX_DSPARK_ATTENTION_TIMELINE
+// Nearest-rank quantile q of v (sorted here), 0 when empty.
+static double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, size_t(q * (v.size() - 1) + 0.5))];
+}
+
+// One isolated launch of `p` with every CTA's timeline recorded, summarised as a JSON line:
+// the time between consecutive marks of a CTA (TimelineSlot in the kernel: entry -> Q and
+// tile 0 issued -> tile 0 landed -> last tile done -> lse known -> output staged -> stores
+// begun -> done) in µs, p50 and p90 over the CTAs with tiles (cycles converted at the clock
+// the globaltimer gives); a tile's share of the tile loop; the launch span; how busy the SMs
+// were over it; and the gap between consecutive CTAs on one SM (the next one's start minus
+// the previous one's end).
+static void timeline_case(const char* name, const jds::SparseSinkAttentionParams& p) {
+  const int nhb = (p.heads + 63) / 64;
+  const int ctas = nhb * p.seq * p.num_splits * p.batch;
+  constexpr int W = jds::kAttnTimelineWords, kMarks = W - 4, kNs0 = kMarks, kNs1 = kMarks + 1, kSm = kMarks + 2,
+                kTiles = kMarks + 3;
+  unsigned long long* buf = nullptr;
+  CK(cudaMalloc(&buf, size_t(ctas) * W * 8));
+  CK(cudaMemset(buf, 0, size_t(ctas) * W * 8));
+  CK(cudaDeviceSynchronize());
+  CK(jds::set_attention_timeline(buf, ctas));
+  CK(run_attn(p, 0));
+  CK(cudaDeviceSynchronize());
+  CK(jds::set_attention_timeline(nullptr, 0));
+  std::vector<unsigned long long> h(size_t(ctas) * W);
+  CK(cudaMemcpy(h.data(), buf, h.size() * 8, cudaMemcpyDeviceToHost));
+  CK(cudaFree(buf));
+  double cyc = 0, ns = 0;
+  unsigned long long t0 = ~0ull, t1 = 0;
+  int done = 0;
+  for (int i = 0; i < ctas; ++i) {
+    const unsigned long long* r = &h[size_t(i) * W];
+    if (!r[kNs0] || !r[kNs1]) continue;
+    ++done;
+    cyc += double(r[kMarks - 1] - r[0]), ns += double(r[kNs1] - r[kNs0]);
+    t0 = std::min(t0, r[kNs0]), t1 = std::max(t1, r[kNs1]);
+  }
+  if (!done || cyc <= 0) {
+    std::printf("{\"timeline\": \"%s\", \"error\": \"no CTA recorded\"}\n", name);
+    return;
+  }
+  const double ghz = cyc / ns, us_per_cycle = 1e-3 / ghz;
+  // phase k: mark k -> the next mark recorded (the warp-specialised kernel skips kTlIssued)
+  static const char* kPhase[kMarks - 1] = {"issue", "land", "tiles", "stats", "stage", "barrier", "store"};
+  std::vector<std::vector<double>> phase(kMarks - 1);
+  std::vector<double> per_tile, total;
+  std::vector<std::vector<std::pair<unsigned long long, unsigned long long>>> by_sm(1024);
+  for (int i = 0; i < ctas; ++i) {
+    const unsigned long long* r = &h[size_t(i) * W];
+    if (!r[kNs0] || !r[kNs1] || r[kSm] >= by_sm.size()) continue;
+    by_sm[r[kSm]].push_back({r[kNs0], r[kNs1]});
+    total.push_back(double(r[kMarks - 1] - r[0]) * us_per_cycle);
+    if (r[kTiles] == 0) continue;
+    int prev = 0;
+    for (int k = 1; k < kMarks; ++k) {
+      if (!r[k]) continue;
+      phase[k - 1].push_back(double(r[k] - r[prev]) * us_per_cycle);
+      prev = k;
+    }
+    per_tile.push_back(double(r[3] - r[2]) * us_per_cycle / double(r[kTiles]));
+  }
+  std::vector<double> gaps, first_start;
+  int sms_used = 0, most = 0;
+  double busy = 0;
+  for (auto& v : by_sm) {
+    if (v.empty()) continue;
+    ++sms_used;
+    most = std::max(most, int(v.size()));
+    std::sort(v.begin(), v.end());
+    first_start.push_back(double(v[0].first - t0) * 1e-3);
+    for (size_t k = 0; k < v.size(); ++k) {
+      busy += double(v[k].second - v[k].first) * 1e-3;
+      if (k) gaps.push_back((double(v[k].first) - double(v[k - 1].second)) * 1e-3);
+    }
+  }
+  const double span = double(t1 - t0) * 1e-3;
+  std::printf("{\"timeline\": \"%s\", \"ctas\": %d, \"recorded\": %d, \"sms\": %d, \"most_ctas_an_sm\": %d, "
+              "\"clock_GHz\": %.3f, \"span_us\": %.2f, \"sm_busy_of_span\": %.3f, \"cta_us\": [%.2f, %.2f], "
+              "\"per_tile_us\": [%.2f, %.2f], \"gap_between_ctas_us\": [%.2f, %.2f], \"first_start_us\": [%.2f, %.2f]",
+              name, ctas, done, sms_used, most, ghz, span, busy / (span * sms_used), quantile(total, 0.5),
+              quantile(total, 0.9), quantile(per_tile, 0.5), quantile(per_tile, 0.9), quantile(gaps, 0.5),
+              quantile(gaps, 0.9), quantile(first_start, 0.5), quantile(first_start, 0.9));
+  for (int k = 0; k < kMarks - 1; ++k)
+    if (!phase[k].empty())
+      std::printf(", \"%s_us\": [%.2f, %.2f]", kPhase[k], quantile(phase[k], 0.5), quantile(phase[k], 0.9));
+  std::printf("}\n");
+}
+#endif
 
 static void bench_case(const AttnCase& case_in, int sms) {
   const int kSets = 4;  // rotate pools: 4 x pool > L2 for every benchmark case
@@ -493,6 +590,9 @@ static void bench_case(const AttnCase& case_in, int sms) {
               "\"tiles_per_split\": %d, \"kernel_event_us\": %.2f, \"TBps\": %.3f, \"TFLOPs\": %.1f}\n",
               c.name, c.rope ? " rope" : "", c.B, c.S, c.H, c.K + c.K2, sets[0].p.num_splits,
               jds::attn_tiles_per_split(c.K + c.K2, sets[0].p.num_splits), us, bytes / us / 1e6, flops / us / 1e6);
+#ifdef JAX_DSPARK_ATTENTION_TIMELINE
+  if (bench_timeline) timeline_case(c.name, sets[0].p);
+#endif
   for (auto& s : sets) free_attn(s);
 }
 
@@ -599,6 +699,12 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_combine;
     } else if (std::strcmp(argv[i], "--rope") == 0) {
       bench_rope = true;
+    } else if (std::strcmp(argv[i], "--timeline") == 0) {
+#ifndef JAX_DSPARK_ATTENTION_TIMELINE
+      std::printf("--timeline: this kernel_driver was built without -DJAX_DSPARK_ATTENTION_TIMELINE=ON\n");
+      return 2;
+#endif
+      bench_timeline = true;
     } else if (std::strcmp(argv[i], "--prep-half") == 0) {
       prep_half = 1;
     } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {
