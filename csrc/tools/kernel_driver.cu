@@ -154,6 +154,7 @@ struct AttnCase {
   bool sink, rope, bad;
   bool fp8_main = false, fp8_extra = false;  // pools in the FP8 row form (params.h)
   int check_every = 1;  // rows checked against the float64 reference: every n-th (all: finite)
+  int splits = 0;       // split count forced (0: choose_splits), e.g. for the cluster merge's 3..8
 };
 
 struct AttnData {
@@ -251,7 +252,7 @@ static AttnData make_attn(const AttnCase& c, int sms, bool shared_lists, bool be
   auto& p = a.p;
   p.batch = c.B, p.seq = c.S, p.heads = c.H, p.n_main = c.n_main, p.n_extra = c.n_extra;
   p.k_main = c.K, p.k_extra = c.K2, p.rope_dim = c.rope ? 64 : 0, p.scale = 1.f / std::sqrt(512.f);
-  p.num_splits = choose_splits(c.B, c.S, c.H, c.K + c.K2, sms);
+  p.num_splits = c.splits ? c.splits : choose_splits(c.B, c.S, c.H, c.K + c.K2, sms);
   auto pool = [&](std::vector<bf16>& rows, int n, bool fp8, const void*& data, const void*& rope, const uint8_t*& scale,
                   int& is_fp8) {
     is_fp8 = fp8;
@@ -386,6 +387,12 @@ static int memcheck(int sms) {
       // 2 splits of 16 tiles: the warp-specialised schedule (H > 64 for bf16, any H for FP8)
       {"long splits, H=128, every 7th row", 32, 1, 128, 2048, 0, 4096, 0, 0.1f, true, true, false, false, false, 7},
       {"fp8 long splits, every 7th row", 64, 1, 64, 2048, 0, 4096, 0, 0.1f, true, true, false, true, false, 7},
+      // split counts the benchmark shapes never pick: 3 and 5..8 splits of a 10-tile list
+      // (merged in a cluster under --wgmma-cluster, two or more splits empty from 6 on)
+      {"3 splits, H=96", 3, 2, 96, 600, 40, 900, 60, 0.1f, true, true, false, false, false, 1, 3},
+      {"5 splits", 2, 2, 64, 600, 40, 900, 60, 0.1f, true, true, false, false, false, 1, 5},
+      {"7 splits, fp8 main", 2, 2, 64, 600, 40, 900, 60, 0.1f, true, true, false, true, false, 1, 7},
+      {"8 splits, 90% of rows masked", 2, 1, 64, 600, 40, 900, 60, 0.9f, true, true, false, false, false, 1, 8},
   };
   int failures = 0;
   for (const auto& c : cases) {
