@@ -102,8 +102,7 @@ __device__ __forceinline__ const float2* inv_rope_row(const SparseSinkAttentionP
 // One warp merges the split partials of output row `row` (head h of query row bs) by their
 // log-sum-exp, then applies the sink and the inverse RoPE and stores the bf16 row and its lse;
 // lane l holds dims 128 k + 4 l .. 128 k + 4 l + 3 for k = 0..3, so each float4 read is one
-// contiguous 512-byte warp access (with 16 contiguous dims a lane, the reads of the staged
-// rows in the cluster merge hit a 16-way bank conflict) and each store a 256-byte one.
+// contiguous 512-byte warp access and each store a 256-byte one.
 // `split_lse(sp)`: split sp's lse (natural log, sink excluded, -inf when it saw no valid
 // row); `split_chunk(sp, k)`: the float4 at dims 128 k + 4 l of split sp's normalised
 // partial O / l, in global memory (the wgmma kernels' cluster merge has its own layout:
