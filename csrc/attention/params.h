@@ -79,6 +79,10 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
 // validate and time both on the same shapes.
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
+// Candidate (kernel_driver --wgmma-persistent only; not dispatched): one-split launches on
+// min(items, SMs) persistent lockstep CTAs that load the next work item's Q and first tile
+// while finishing the current one; other launches as run_sparse_sink_attention_wgmma.
+cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // How split partials are merged, forced (schedule as dispatched): in a thread-block cluster
 // through distributed shared memory whenever 2 <= num_splits <= 8 (`_cluster`), or through
 // global memory and the combine launch (`_combine`). The dispatch picks the cluster when its

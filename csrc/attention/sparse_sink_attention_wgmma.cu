@@ -82,6 +82,11 @@ constexpr int kOffXS = kOffXP + kThreads * 32;
 constexpr int kOffSink = kOffXS + kThreads * 64;
 constexpr int kOffCs = kOffSink + BM * 4;
 constexpr int kSmemBytes = kOffCs + (D / 2) * 8;
+// The persistent kernel's extras past kSmemBytes: staged output row 63 and the row-validity
+// flags of region 0 (Q's region in the other kernels, a tile stage in turn in this one).
+constexpr int kOffLastRow = kSmemBytes;
+constexpr int kOffValidR0 = kOffLastRow + D * 2 + 16;
+constexpr int kSmemBytesPersistent = kOffValidR0 + BK;
 constexpr int kMaxClusterSplits = 8;  // splits merged in one cluster at most (the portable cluster size)
 constexpr int kNopeChunks = kAttnNopeDim / 8;  // FP8 rows: 8-dim chunks held as e4m3 (56)
 static_assert(kOffXP % 16 == 0, "swap area: uint4 stores");
@@ -90,7 +95,8 @@ static_assert(kAttnScaleBlock == 64, "expand_fp8_row: chunk i of a thread uses s
 static_assert(BM == 64 && BK == 64, "one row per 4 threads, 64 rows per tile and per Q block");
 static_assert(kThreads == 4 * BK, "the gather maps thread -> (row, chunk phase)");
 static_assert(D / 2 <= kThreads && BM <= kThreads, "load_epilogue_constants: one value a thread");
-static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
+static_assert(kSmemBytesPersistent <= 227 * 1024, "shared memory budget of one H100/H200 CTA");
+static_assert(63 * (D * 2 + 16) <= kTileBytes, "the persistent kernel stages rows 0..62 in one 64 KB region");
 
 
 // 128-byte swizzle: dims 64b .. 64b + 63 of all rows form column block b (rows 128 bytes
@@ -485,14 +491,20 @@ constexpr bool kSOverHalfD = kFp8 || !kWarpSpecialised;
 // compiler knows is warp-uniform keeps the descriptors in uniform registers (the shuffle
 // inside the loop cost dense 16k 1% on the H100).
 template <bool kHalfD>
-__device__ __forceinline__ void consume_stage(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
-                                              uint32_t q_base, int stage, int tile_rows, float sl2, int tid, int c) {
-  const uint32_t kv_base = smem_addr(smem + kOffKV + stage * kTileBytes);
-  const uint8_t* s_valid = smem + kOffValid + stage * BK;
+__device__ __forceinline__ void consume_rows_at(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
+                                                uint32_t q_base, uint32_t kv_base, const uint8_t* s_valid, int tile_rows,
+                                                float sl2, int tid, int c) {
   if (tile_rows <= 16)
     consume_tile<true, kHalfD>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid, c);
   else
     consume_tile<false, kHalfD>(o, m_run, l_run, smem, q_base, kv_base, s_valid, sl2, tid, c);
+}
+
+template <bool kHalfD>
+__device__ __forceinline__ void consume_stage(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
+                                              uint32_t q_base, int stage, int tile_rows, float sl2, int tid, int c) {
+  consume_rows_at<kHalfD>(o, m_run, l_run, smem, q_base, smem_addr(smem + kOffKV + stage * kTileBytes),
+                          smem + kOffValid + stage * BK, tile_rows, sl2, tid, c);
 }
 
 // A thread's two rows at the end: lse (natural log, sink excluded) and 1 / row sum, from
@@ -641,10 +653,18 @@ __device__ __forceinline__ void merge_cluster_rows(const SparseSinkAttentionPara
 // while its rows are still read. Otherwise split partials go to global memory (f32, 2 KB a
 // row and split) for the combine launch to read back: CSA decode at 2 splits writes 16 MB
 // and reads it again, which the cluster merge saves (-12% on the H100, docs/kernels.md).
-template <bool kCluster>
+// kPersistent (one split only): the rows are staged at `rows_base` (a 64 KB region; row 63,
+// which does not fit it at the padded pitch, at kOffLastRow), the hook runs once every
+// compute warp is past its last S and P V (the persistent kernel issues the next item's tile
+// 0 there), and the bulk copies are committed without waiting: the caller waits for their
+// reads (bulk_wait_read) before it reuses the region.
+struct NoHook {
+  __device__ void operator()() const {}
+};
+template <bool kCluster, bool kPersistent = false, class Hook = NoHook>
 __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, uint8_t* smem, const float (&o)[32][4],
                                             const float (&m_run)[2], const float (&l_run)[2], int64_t bs, int h0,
-                                            int split, int tid) {
+                                            int split, int tid, uint8_t* rows_base = nullptr, Hook hook = Hook{}) {
   const int c = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
   const RowStats r = row_stats(smem, m_run, l_run, tid);
   timeline_mark(kTlStats);
@@ -655,7 +675,8 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
   const float* sink = p.sink == nullptr ? nullptr : reinterpret_cast<const float*>(smem + kOffSink);
   const float2* cs_row = p.inv_rope == nullptr ? nullptr : reinterpret_cast<const float2*>(smem + kOffCs);
   named_barrier_sync(kEpilogueBar, kThreads);  // every compute warp past its last S and P V
-  if (!kCluster && p.num_splits == 1) {
+  hook();
+  if (!kCluster && (kPersistent || p.num_splits == 1)) {
     // Whole rows: bf16 (sink applied, RoPE dims rotated back when asked) into the staged rows,
     // both of the thread's rows in one pass over its 32 dim pairs, the RoPE test hoisted out of
     // the calls without inverse RoPE. With a test and a branch in each of the 64 pair stores
@@ -668,13 +689,20 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
       const int h = h0 + lr0 + 8 * i;
       f[i] = h < p.heads ? r.inv[i] * sink_factor(sink, lr0 + 8 * i, r.lse[i]) : 0.f;
     }
-    uint8_t* dst = smem + lr0 * kStageRowBf16;
+    auto staged_row = [&](int lr) -> uint8_t* {
+      if constexpr (kPersistent)
+        return lr == BM - 1 ? smem + kOffLastRow : rows_base + lr * kStageRowBf16;
+      else
+        return smem + lr * kStageRowBf16;
+    };
+    uint8_t* dst = staged_row(lr0);
+    uint8_t* dst8 = kPersistent ? staged_row(lr0 + 8) : dst + 8 * kStageRowBf16;
     if (p.inv_rope == nullptr) {
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
         const int dim = dim_first + 8 * n;
         *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(o[n][0] * f[0], o[n][1] * f[0]);
-        *reinterpret_cast<uint32_t*>(dst + 8 * kStageRowBf16 + dim * 2) = pack_bf16x2(o[n][2] * f[1], o[n][3] * f[1]);
+        *reinterpret_cast<uint32_t*>(dst8 + dim * 2) = pack_bf16x2(o[n][2] * f[1], o[n][3] * f[1]);
       }
     } else {  // one (cos, sin) load a pair for both rows: they belong to the same query row bs
 #pragma unroll
@@ -687,7 +715,7 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
           inverse_rope_pair(b0, b1, cs);
         }
         *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(a0, a1);
-        *reinterpret_cast<uint32_t*>(dst + 8 * kStageRowBf16 + dim * 2) = pack_bf16x2(b0, b1);
+        *reinterpret_cast<uint32_t*>(dst8 + dim * 2) = pack_bf16x2(b0, b1);
       }
     }
     if (c == 0 && q4 == 0) {
@@ -705,44 +733,48 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
     named_barrier_sync(kEpilogueBar, kThreads);
     timeline_mark(kTlStoring);
     if (tid < BM && h0 + tid < p.heads) {
-      bulk_copy_s2g(static_cast<uint8_t*>(p.out) + (bs * p.heads + h0 + tid) * (D * 2), smem + tid * kStageRowBf16,
-                    D * 2);
-      bulk_commit_and_wait_read();
-    }
-    return;
-  }
-  // Split partials: normalised f32 rows (the combine applies the sink and inverse RoPE).
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int lr = 16 * w + g + 8 * i, h = h0 + lr;
-    if (h >= p.heads) continue;
-    stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], dim_first);
-    if (c == 0 && q4 == 0) {
-      if constexpr (kCluster)
-        lse_rows[lr] = r.lse[i];
+      bulk_copy_s2g(static_cast<uint8_t*>(p.out) + (bs * p.heads + h0 + tid) * (D * 2), staged_row(tid), D * 2);
+      if constexpr (kPersistent)
+        bulk_commit();
       else
-        p.partial_lse[int64_t(split) * rows + bs * p.heads + h] = r.lse[i];
+        bulk_commit_and_wait_read();
     }
-  }
-  timeline_mark(kTlStaged);
-  if constexpr (kCluster) {  // launched with 2..kMaxClusterSplits splits only (launch_attention)
-    cluster_sync();
-    timeline_mark(kTlStoring);
-    merge_cluster_rows(p, smem_addr(smem), smem_addr(lse_rows), sink, cs_row, bs, h0, tid);
-    cluster_sync();
     return;
   }
-  // Out: 16-byte chunks of the staged f32 rows, consecutive threads along a row. (One bulk
-  // copy a row, as for whole rows, made dense 16k 28% slower on the H100: 64 issuing lanes
-  // for 128 KB a CTA against 256 threads' stores.)
-  named_barrier_sync(kEpilogueBar, kThreads);
-  timeline_mark(kTlStoring);
-  uint8_t* out = reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
-  for (int k = tid; k < (BM << 7); k += kThreads) {
-    const int lr = k >> 7, ch = k & 127, h = h0 + lr;
-    if (h < p.heads)
-      *reinterpret_cast<uint4*>(out + ((bs * p.heads + h) << 11) + ch * 16) =
-          *reinterpret_cast<const uint4*>(smem + lr * kStageRowF32 + ch * 16);
+  if constexpr (!kPersistent) {  // (the persistent kernel has one split: whole rows only)
+    // Split partials: normalised f32 rows (the combine applies the sink and inverse RoPE).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int lr = 16 * w + g + 8 * i, h = h0 + lr;
+      if (h >= p.heads) continue;
+      stage_f32_row(smem + lr * kStageRowF32, o, i, r.inv[i], dim_first);
+      if (c == 0 && q4 == 0) {
+        if constexpr (kCluster)
+          lse_rows[lr] = r.lse[i];
+        else
+          p.partial_lse[int64_t(split) * rows + bs * p.heads + h] = r.lse[i];
+      }
+    }
+    timeline_mark(kTlStaged);
+    if constexpr (kCluster) {  // launched with 2..kMaxClusterSplits splits only (launch_attention)
+      cluster_sync();
+      timeline_mark(kTlStoring);
+      merge_cluster_rows(p, smem_addr(smem), smem_addr(lse_rows), sink, cs_row, bs, h0, tid);
+      cluster_sync();
+      return;
+    }
+    // Out: 16-byte chunks of the staged f32 rows, consecutive threads along a row. (One bulk
+    // copy a row, as for whole rows, made dense 16k 28% slower on the H100: 64 issuing lanes
+    // for 128 KB a CTA against 256 threads' stores.)
+    named_barrier_sync(kEpilogueBar, kThreads);
+    timeline_mark(kTlStoring);
+    uint8_t* out = reinterpret_cast<uint8_t*>(p.partial_out + int64_t(split) * rows * D);
+    for (int k = tid; k < (BM << 7); k += kThreads) {
+      const int lr = k >> 7, ch = k & 127, h = h0 + lr;
+      if (h < p.heads)
+        *reinterpret_cast<uint4*>(out + ((bs * p.heads + h) << 11) + ch * 16) =
+            *reinterpret_cast<const uint4*>(smem + lr * kStageRowF32 + ch * 16);
+    }
   }
 }
 
@@ -847,6 +879,111 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_sink_attention_wgmma_kerne
 }
 
 
+
+// ---- Persistent lockstep CTAs (one split; kernel_driver --wgmma-persistent) ----------
+// The timelines (docs/kernels.md, "Per-CTA timelines") show a short-list CTA spending half its
+// time or more before its first tile (Q and tile 0, every SM of a wave loading at once) and
+// after its last (staging and the bulk stores), with the memory idle while the SMs compute.
+// Here min(items, SMs) CTAs walk the work items (item = blockIdx.x + k gridDim.x, in grid
+// order) and overlap the next item's loads with the end of the current one. Shared memory is
+// three 64 KB regions (region 0 is Q's region of the other kernels, 1 and 2 their tile
+// stages) whose roles rotate: item i has Q in rq and its tiles alternately in ra and rb. At
+// its last tile's barrier the idle tile region y takes item i + 1's Q; once every warp is
+// past the last P V (finish_rows's hook), the last tile's region x takes item i + 1's tile 0;
+// the output rows are staged in rq (Q is read by S only) and leave by bulk copies that the
+// CTA does not wait for. Item i + 1 then has Q in y, tiles in x and rq, and the issuing lanes
+// wait for the bulk reads of rq before item i + 1's first barrier, after which rq may be
+// written. A list of no tiles takes ra for the next tile 0 and rb for the next Q.
+__device__ __forceinline__ uint8_t* region_of(uint8_t* smem, int r) { return smem + r * kTileBytes; }
+__device__ __forceinline__ uint8_t* region_valid(uint8_t* smem, int r) {
+  return smem + (r == 0 ? kOffValidR0 : kOffValid + (r - 1) * BK);
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_sink_attention_wgmma_persistent_kernel(const SparseSinkAttentionParams p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
+  const int x_items = (p.heads + BM - 1) / BM * p.seq, items = x_items * p.batch;
+  const int tid = threadIdx.x, row = tid >> 2, phase = tid & 3;
+  const float sl2 = p.scale * kLog2e;
+  const int wg = warpgroup_of(tid);
+  auto item_at = [&](int i) { return attn_work_item_at(p, i % x_items, 0, i / x_items); };
+  auto tile0_index = [&](const AttnWorkItem& w) {
+    return w.ntiles > 0 ? row_index(p, 0, w.key_begin, w.key_end, w.bs, row) : -1;
+  };
+
+  int item = blockIdx.x;
+  AttnWorkItem w = item_at(item);
+  int rq = 0, ra = 1, rb = 2;
+  issue_q_block(p, region_of(smem, rq), w.bs, w.h0, row, phase);
+  IssuedRow in_flight{false, make_uint2(0u, 0u)};
+  if (w.ntiles > 0)
+    in_flight = gather_tile_into<kFp8>(p, region_of(smem, ra), region_valid(smem, ra), 0, w.key_begin, w.key_end, row,
+                                       phase, tile0_index(w));
+  cp_async_commit();
+  bool bulk_pending = false;  // this thread's bulk copies of the previous item's rows, reads not yet waited for
+
+  for (;;) {
+    const int ntiles = w.ntiles, next = item + int(gridDim.x);
+    const bool has_next = next < items;
+    const AttnWorkItem wn = item_at(has_next ? next : item);
+    const int next_idx0 = has_next ? tile0_index(wn) : -1;
+    int next_idx = ntiles > 1 ? row_index(p, 1, w.key_begin, w.key_end, w.bs, row) : -1;
+    load_epilogue_constants(p, smem, w.bs, w.h0, tid);
+    if (bulk_pending) bulk_wait_read();  // rb held the previous item's staged rows
+    bulk_pending = false;
+
+    float o[32][4], m_run[2], l_run[2];
+    init_rows(o, m_run, l_run);
+    const uint32_t q_base = smem_addr(region_of(smem, rq));
+    int x = ra, y = rb;
+    for (int t = 0; t < ntiles; ++t) {
+      const int r = (t & 1) ? rb : ra, other = (t & 1) ? ra : rb;
+      cp_async_wait<0>();
+      if constexpr (kFp8) {
+        if (in_flight.fp8) expand_fp8_row(region_of(smem, r), row, phase, in_flight.scale);
+      }
+      fence_proxy_async_smem();
+      __syncthreads();  // tile t landed everywhere; every warp past tile t - 1 (and the bulk reads of rb waited for)
+      in_flight = IssuedRow{false, make_uint2(0u, 0u)};
+      if (t + 1 < ntiles) {
+        in_flight = gather_tile_into<kFp8>(p, region_of(smem, other), region_valid(smem, other), t + 1, w.key_begin,
+                                           w.key_end, row, phase, next_idx);
+        if (t + 2 < ntiles) next_idx = row_index(p, t + 2, w.key_begin, w.key_end, w.bs, row);
+      } else if (has_next) {
+        issue_q_block(p, region_of(smem, other), wn.bs, wn.h0, row, phase);  // the next item's Q, into the idle region
+      }
+      cp_async_commit();
+      consume_rows_at<kSOverHalfD<kFp8, false>>(o, m_run, l_run, smem, q_base, smem_addr(region_of(smem, r)),
+                                                region_valid(smem, r), min(BK, w.key_end - (w.key_begin + t * BK)),
+                                                sl2, tid, wg);
+      x = r, y = other;
+    }
+    if (ntiles == 0) {
+      cp_async_wait<0>();  // this item's Q, before its region is staged over
+      fence_proxy_async_smem();
+      __syncthreads();  // the constants' stores, and the bulk reads of rb waited for
+      if (has_next) issue_q_block(p, region_of(smem, y), wn.bs, wn.h0, row, phase);
+      cp_async_commit();
+    }
+    // The next item's tile 0 into x once every warp is past its last P V.
+    auto issue_next_tile0 = [&] {
+      if (has_next && wn.ntiles > 0)
+        in_flight = gather_tile_into<kFp8>(p, region_of(smem, x), region_valid(smem, x), 0, wn.key_begin, wn.key_end,
+                                           row, phase, next_idx0);
+      cp_async_commit();
+    };
+    finish_rows<false, true>(p, smem, o, m_run, l_run, w.bs, w.h0, 0, tid, region_of(smem, rq), issue_next_tile0);
+    bulk_pending = tid < BM && w.h0 + tid < p.heads;
+    if (!has_next) break;
+    const int staged = rq;
+    rq = y, ra = x, rb = staged;
+    item = next, w = wn;
+  }
+  cp_async_wait<0>();
+  if (bulk_pending) bulk_wait_read();  // the staged rows must outlive their bulk copies' reads
+}
 
 // ---- Warp-specialised schedule (long lists; use_warp_specialised) --------------------
 // The lockstep kernel's gather is issued by the same warps that compute, between a tile's
@@ -1346,6 +1483,28 @@ cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, 
              : run_merge<false, Schedule::kLockstep>(p, merge, stream);
 }
 
+// The persistent kernel's grid: min(items, SMs) CTAs (one an SM), SM count asked once per device.
+template <bool kFp8>
+cudaError_t launch_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  constexpr auto kernel = sparse_sink_attention_wgmma_persistent_kernel<kFp8>;
+  cudaError_t err = configure_attention_kernel<kernel>(kSmemBytesPersistent);
+  if (err != cudaSuccess) return err;
+  static std::atomic<int> sms[64] = {};
+  int dev = 0;
+  err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  int n_sms = dev >= 0 && dev < 64 ? sms[dev].load(std::memory_order_relaxed) : 0;
+  if (n_sms == 0) {
+    err = cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) sms[dev].store(n_sms, std::memory_order_relaxed);
+  }
+  const int64_t items = int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch;
+  const int grid = int(std::min<int64_t>(items, n_sms));
+  kernel<<<grid, kThreads, kSmemBytesPersistent, stream>>>(p);
+  return cudaGetLastError();
+}
+
 Schedule dispatched_schedule(const SparseSinkAttentionParams& p) {
   return use_warp_specialised(p) ? Schedule::kWarpSpecialised : Schedule::kLockstep;
 }
@@ -1400,6 +1559,12 @@ cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionPa
 
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return run_schedule(p, Schedule::kWarpSpecialised, stream);
+}
+
+cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  if (p.num_splits != 1) return run_sparse_sink_attention_wgmma(p, stream);
+  return (p.main_fp8 || p.extra_fp8) ? launch_persistent<true>(p, stream) : launch_persistent<false>(p, stream);
 }
 
 }  // namespace jds
