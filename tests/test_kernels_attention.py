@@ -207,6 +207,16 @@ def test_empty_lists_give_zeros_and_minus_inf_lse():
     assert np.all(np.asarray(out, np.float32) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
 
 
+def test_empty_lists_over_more_work_items_than_sms_give_zeros():
+    # One-split bf16 launches of more work items than SMs run on persistent CTAs that walk
+    # several items each (use_persistent in the .cu); with empty lists every item has no tile.
+    b, s = 70, 2
+    assert _work_items(b, s, 64, 0) > _ffi.num_sms(), "the shape no longer has more work items than SMs"
+    args, rng = make_case(31, b=b, s=s, h=64, k=0, n=10)
+    out, lse = run_kernel(args, sink=jnp.asarray(rng.standard_normal(64), jnp.float32), scale=0.1)
+    assert np.all(np.asarray(out, np.float32) == 0.0) and np.all(np.isneginf(np.asarray(lse)))
+
+
 def test_all_masked_rows_give_zeros():
     args, _ = make_case(12, b=2, s=1, h=64, k=200, drop=1.0)
     out, lse = run_kernel(args, scale=0.1)

@@ -25,14 +25,13 @@ struct AttnWorkItem {
   int64_t bs;
 };
 
-// The work item of grid position (x, y, z) = (head block + query row, split, request).
-__device__ __forceinline__ AttnWorkItem attn_work_item_at(const SparseSinkAttentionParams& p, int x, int y, int z) {
+__device__ __forceinline__ AttnWorkItem attn_work_item(const SparseSinkAttentionParams& p) {
   constexpr int BM = kAttnHeadsPerCta, BK = kAttnKeysPerTile;
   const int nhb = (p.heads + BM - 1) / BM;
   AttnWorkItem w;
-  w.h0 = (x % nhb) * BM;
-  w.bs = int64_t(z) * p.seq + x / nhb;
-  w.split = y;
+  w.h0 = (blockIdx.x % nhb) * BM;
+  w.bs = int64_t(blockIdx.z) * p.seq + blockIdx.x / nhb;
+  w.split = blockIdx.y;
   const int k_total = p.k_main + p.k_extra;
   const int tiles_all = (k_total + BK - 1) / BK;
   const int tps = (tiles_all + p.num_splits - 1) / p.num_splits;  // = attn_tiles_per_split
@@ -40,10 +39,6 @@ __device__ __forceinline__ AttnWorkItem attn_work_item_at(const SparseSinkAttent
   w.key_end = min(k_total, w.key_begin + tps * BK);
   w.ntiles = w.key_end > w.key_begin ? (w.key_end - w.key_begin + BK - 1) / BK : 0;
   return w;
-}
-
-__device__ __forceinline__ AttnWorkItem attn_work_item(const SparseSinkAttentionParams& p) {
-  return attn_work_item_at(p, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 __device__ __forceinline__ float sink_factor(const float* sink, int h, float lse) {

@@ -72,16 +72,18 @@ cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaSt
 // Two schedules: lockstep (every warp gathers, then computes) and, over long lists (FP8
 // pools; bf16 pools of more than one head block), warp-specialised (a gathering, and for FP8
 // expanding, warpgroup beside the two computing ones); use_warp_specialised in the .cu says
-// why.
+// why. One-split bf16 launches of more work items than SMs take persistent lockstep CTAs
+// (use_persistent).
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 // One schedule forced for every launch: kernel_driver --wgmma-lockstep / --wgmma-ws, to
 // validate and time both on the same shapes.
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
-// Candidate (kernel_driver --wgmma-persistent only; not dispatched): one-split launches on
-// min(items, SMs) persistent lockstep CTAs that load the next work item's Q and first tile
-// while finishing the current one; other launches as run_sparse_sink_attention_wgmma.
+// One-split launches on min(items, SMs) persistent lockstep CTAs that load the next work
+// item's Q and first tile while finishing the current one, for either pool kind (the
+// dispatch above takes them for bf16 pools with more items than SMs: use_persistent);
+// launches of several splits as dispatched. kernel_driver --wgmma-persistent.
 cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // How split partials are merged, forced (schedule as dispatched): in a thread-block cluster
 // through distributed shared memory whenever 2 <= num_splits <= 8 (`_cluster`), or through

@@ -908,7 +908,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, row = tid >> 2, phase = tid & 3;
   const float sl2 = p.scale * kLog2e;
   const int wg = warpgroup_of(tid);
-  auto item_at = [&](int i) { return attn_work_item_at(p, i % x_items, 0, i / x_items); };
+  auto item_at = [&](int i) {  // attn_work_item of grid position (i % x_items, 0, i / x_items)
+    AttnWorkItem w;
+    const int x = i % x_items, nhb = (p.heads + BM - 1) / BM;
+    w.h0 = (x % nhb) * BM;
+    w.bs = int64_t(i / x_items) * p.seq + x / nhb;
+    w.split = 0;
+    w.key_begin = 0;
+    w.key_end = p.k_main + p.k_extra;
+    w.ntiles = (w.key_end + BK - 1) / BK;
+    return w;
+  };
   auto tile0_index = [&](const AttnWorkItem& w) {
     return w.ntiles > 0 ? row_index(p, 0, w.key_begin, w.key_end, w.bs, row) : -1;
   };
@@ -1391,6 +1401,21 @@ cudaLaunchConfig_t cluster_config(const SparseSinkAttentionParams& p, int thread
   return cfg;
 }
 
+// The current device's SM count, asked once per device (host code on every launch path:
+// an attribute query is not stream work, so it is safe while XLA captures a command buffer).
+cudaError_t device_sm_count(int* n_sms) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> sms[kDevices] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  *n_sms = dev >= 0 && dev < kDevices ? sms[dev].load(std::memory_order_relaxed) : 0;
+  if (*n_sms > 0) return cudaSuccess;
+  err = cudaDeviceGetAttribute(n_sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess && dev >= 0 && dev < kDevices) sms[dev].store(*n_sms, std::memory_order_relaxed);
+  return err;
+}
+
 // Whether a launch's split partials merge in a cluster: 2..8 splits, and the cluster launch
 // needs no more waves than the plain one. A cluster's CTAs must be resident together in one
 // GPC, so fewer clusters than the 132 / splits a plain launch would suggest fit at once (H100,
@@ -1403,7 +1428,6 @@ cudaError_t use_cluster_merge(const SparseSinkAttentionParams& p, bool* use) {
   if (p.num_splits < 2 || p.num_splits > kMaxClusterSplits) return cudaSuccess;
   constexpr int kDevices = 64;
   static std::atomic<int> max_clusters[kDevices][2][kMaxClusterSplits + 1] = {};  // 0: not asked yet
-  static std::atomic<int> sms[kDevices] = {};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -1421,12 +1445,9 @@ cudaError_t use_cluster_merge(const SparseSinkAttentionParams& p, bool* use) {
     fit = fit > 0 ? fit : -1;  // -1: none fits
     max_clusters[dev][ws][p.num_splits].store(fit, std::memory_order_relaxed);
   }
-  int n_sms = sms[dev].load(std::memory_order_relaxed);
-  if (n_sms == 0) {
-    err = cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err != cudaSuccess) return err;
-    sms[dev].store(n_sms, std::memory_order_relaxed);
-  }
+  int n_sms = 0;
+  err = device_sm_count(&n_sms);
+  if (err != cudaSuccess) return err;
   if (fit < 0) return cudaSuccess;
   const int64_t clusters = int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch;
   const int64_t cluster_waves = (clusters + fit - 1) / fit;
@@ -1483,22 +1504,15 @@ cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, 
              : run_merge<false, Schedule::kLockstep>(p, merge, stream);
 }
 
-// The persistent kernel's grid: min(items, SMs) CTAs (one an SM), SM count asked once per device.
+// The persistent kernel's grid: min(items, SMs) CTAs (one an SM).
 template <bool kFp8>
 cudaError_t launch_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   constexpr auto kernel = sparse_sink_attention_wgmma_persistent_kernel<kFp8>;
   cudaError_t err = configure_attention_kernel<kernel>(kSmemBytesPersistent);
   if (err != cudaSuccess) return err;
-  static std::atomic<int> sms[64] = {};
-  int dev = 0;
-  err = cudaGetDevice(&dev);
+  int n_sms = 0;
+  err = device_sm_count(&n_sms);
   if (err != cudaSuccess) return err;
-  int n_sms = dev >= 0 && dev < 64 ? sms[dev].load(std::memory_order_relaxed) : 0;
-  if (n_sms == 0) {
-    err = cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) sms[dev].store(n_sms, std::memory_order_relaxed);
-  }
   const int64_t items = int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch;
   const int grid = int(std::min<int64_t>(items, n_sms));
   kernel<<<grid, kThreads, kSmemBytesPersistent, stream>>>(p);
@@ -1541,7 +1555,27 @@ cudaError_t set_attention_timeline(unsigned long long* buffer, int ctas) {
 }
 #endif
 
+// Whether a launch takes the persistent lockstep kernel: bf16 pools, one split, the lockstep
+// schedule, and more work items than SMs (with fewer, each CTA has one item and the kernel is
+// the lockstep one). H100, 2026-12-07, CUDA events against the dispatched kernels: DSpark
+// block bf16 (320 items, 2.4 an SM) 51.9 -> 48.6 us, V4-Pro DSpark block bf16 (1280) 164.1 ->
+// 142.9; the FP8 blocks lost to their warp-specialised kernel (52.8 -> 55.7, 164.1 -> 174.0),
+// so FP8 pools keep it (docs/kernels.md, "Persistent lockstep CTAs").
+cudaError_t use_persistent(const SparseSinkAttentionParams& p, bool* use) {
+  *use = false;
+  if (p.main_fp8 || p.extra_fp8 || p.num_splits != 1 || dispatched_schedule(p) != Schedule::kLockstep)
+    return cudaSuccess;
+  int n_sms = 0;
+  const cudaError_t err = device_sm_count(&n_sms);
+  *use = err == cudaSuccess && int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch > n_sms;
+  return err;
+}
+
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  bool persistent = false;
+  const cudaError_t err = use_persistent(p, &persistent);
+  if (err != cudaSuccess) return err;
+  if (persistent && p.batch > 0 && p.seq > 0 && p.heads > 0) return launch_persistent<false>(p, stream);
   return run_schedule(p, dispatched_schedule(p), stream);
 }
 
@@ -1563,7 +1597,7 @@ cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& 
 
 cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
-  if (p.num_splits != 1) return run_sparse_sink_attention_wgmma(p, stream);
+  if (p.num_splits != 1) return run_schedule(p, dispatched_schedule(p), stream);
   return (p.main_fp8 || p.extra_fp8) ? launch_persistent<true>(p, stream) : launch_persistent<false>(p, stream);
 }
 
