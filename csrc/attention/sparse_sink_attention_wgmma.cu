@@ -1557,10 +1557,11 @@ cudaError_t set_attention_timeline(unsigned long long* buffer, int ctas) {
 
 // Whether a launch takes the persistent lockstep kernel: bf16 pools, one split, the lockstep
 // schedule, and more work items than SMs (with fewer, each CTA has one item and the kernel is
-// the lockstep one). H100, 2026-12-07, CUDA events against the dispatched kernels: DSpark
-// block bf16 (320 items, 2.4 an SM) 51.9 -> 48.6 us, V4-Pro DSpark block bf16 (1280) 164.1 ->
-// 142.9; the FP8 blocks lost to their warp-specialised kernel (52.8 -> 55.7, 164.1 -> 174.0),
-// so FP8 pools keep it (docs/kernels.md, "Persistent lockstep CTAs").
+// the lockstep one). H100, 2026-12-07, CUDA events against the kernels dispatched before:
+// DSpark block bf16 (320 items, 2.4 an SM) 52.1 -> 48.2 us, V4-Pro DSpark block bf16 (1280)
+// 164.7 -> 142.1; the FP8 blocks, forced onto it, lost to their warp-specialised kernel
+// (52.8 -> 55.7, 164.1 -> 174.0), so FP8 pools keep that (docs/kernels.md, "Persistent
+// lockstep CTAs that prefetch the next item").
 cudaError_t use_persistent(const SparseSinkAttentionParams& p, bool* use) {
   *use = false;
   if (p.main_fp8 || p.extra_fp8 || p.num_splits != 1 || dispatched_schedule(p) != Schedule::kLockstep)
