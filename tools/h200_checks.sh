@@ -26,6 +26,15 @@
 #                   about 50 s for all) with --wgmma-lockstep and --wgmma-ws, old and new
 #                   alternating twice (CUDA events, same run); $AB_FLAGS go to both (e.g.
 #                   --rope: the inverse-RoPE epilogue; the old driver must know the flag)
+#   timeline        per-CTA phases of every bench case (kernel_driver --timeline) with
+#                   $TIMELINE_DRIVER (default .dev/build_tl/kernel_driver, a build configured with
+#                   -DJAX_DSPARK_ATTENTION_TIMELINE=ON): one JSON line a case (docs/kernels.md,
+#                   "Per-CTA timelines")
+#   persistent      the persistent lockstep CTAs (dispatched for one-split bf16 launches of more
+#                   items than SMs since 2026-12-07): kernel_driver --wgmma-persistent edge cases,
+#                   memcheck, racecheck, then the DSpark blocks under --wgmma-lockstep (the kernel
+#                   before), --wgmma (bf16 persistent, FP8 warp-specialised) and
+#                   --wgmma-persistent (FP8 too), alternating twice
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
@@ -93,6 +102,17 @@ for step in "$@"; do
       for schedule in --wgmma --wgmma-combine --wgmma-cluster --wgmma --wgmma-combine --wgmma-cluster; do
         for c in "CSA decode" "HCA" "dense 16k"; do
           run 60 "$DRIVER" "$schedule" bench "$c"
+        done
+      done ;;
+    timeline) run 120 "${TIMELINE_DRIVER:-.dev/build_tl/kernel_driver}" --wgmma --rope --timeline bench ;;
+    persistent)
+      run 60 "$DRIVER" --wgmma-persistent
+      [ "$last" -ne 0 ] && echo "== persistent: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-persistent
+      run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-persistent
+      for i in 1 2; do
+        for schedule in --wgmma-lockstep --wgmma --wgmma-persistent; do
+          run 60 "$DRIVER" "$schedule" --rope bench DSpark
         done
       done ;;
     ab)
