@@ -105,7 +105,8 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 
 #ifdef JAX_DSPARK_ATTENTION_TIMELINE
 // Timeline builds of kernel_driver only (cmake -DJAX_DSPARK_ATTENTION_TIMELINE=ON): while a
-// buffer is set, thread 0 of every wgmma attention CTA (either schedule) records
+// buffer is set, thread 0 of every wgmma attention CTA (any schedule; a persistent CTA: its
+// last work item) records
 // kAttnTimelineWords words at its linear block index: clock64 at eight marks (entry, Q and
 // tile 0 issued (lockstep only), tile 0 ready, last tile done, lse known, output staged,
 // stores begun, epilogue done; TimelineSlot in the .cu), %globaltimer (ns) at entry and exit,

@@ -934,9 +934,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_commit();
   bool bulk_pending = false;  // this thread's bulk copies of the previous item's rows, reads not yet waited for
 
-  for (;;) {
+  for (;;) {  // (timeline builds: each item's marks overwrite the last, so a CTA's record is of its last item)
     const int ntiles = w.ntiles, next = item + int(gridDim.x);
     const bool has_next = next < items;
+    timeline_mark(kTlStart, ntiles);
     const AttnWorkItem wn = item_at(has_next ? next : item);
     const int next_idx0 = has_next ? tile0_index(wn) : -1;
     int next_idx = ntiles > 1 ? row_index(p, 1, w.key_begin, w.key_end, w.bs, row) : -1;
@@ -956,6 +957,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       fence_proxy_async_smem();
       __syncthreads();  // tile t landed everywhere; every warp past tile t - 1 (and the bulk reads of rb waited for)
+      if (t == 0) timeline_mark(kTlFirstTile, ntiles);
       in_flight = IssuedRow{false, make_uint2(0u, 0u)};
       if (t + 1 < ntiles) {
         in_flight = gather_tile_into<kFp8>(p, region_of(smem, other), region_valid(smem, other), t + 1, w.key_begin,
@@ -984,7 +986,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                                            row, phase, next_idx0);
       cp_async_commit();
     };
+    timeline_mark(kTlLastTile, ntiles);
     finish_rows<false, true>(p, smem, o, m_run, l_run, w.bs, w.h0, 0, tid, region_of(smem, rq), issue_next_tile0);
+    timeline_mark(kTlEnd, ntiles);
     bulk_pending = tid < BM && w.h0 + tid < p.heads;
     if (!has_next) break;
     const int staged = rq;
