@@ -648,8 +648,8 @@ __device__ __forceinline__ void merge_cluster_rows(const SparseSinkAttentionPara
 // kCluster: the num_splits (2..8) CTAs of a work item form one thread-block cluster and merge
 // their partials through distributed shared memory (use_cluster_merge says when): each stages
 // its normalised f32 rows and their lse (in the P swap area), the cluster syncs, CTA `rank`'s
-// warps merge rows rank, rank + n, ... of the 64 over all splits (combine_row, reading the
-// other CTAs' shared memory) and store them, and the cluster syncs again so that no CTA exits
+// threads merge rows rank, rank + n, ... of the 64 over all splits (merge_cluster_rows,
+// reading the other CTAs' shared memory) and store them, and the cluster syncs again so that no CTA exits
 // while its rows are still read. Otherwise split partials go to global memory (f32, 2 KB a
 // row and split) for the combine launch to read back: CSA decode at 2 splits writes 16 MB
 // and reads it again, which the cluster merge saves (-12% on the H100, docs/kernels.md).
