@@ -35,6 +35,10 @@
 #                   memcheck, racecheck, then the DSpark blocks under --wgmma-lockstep (the kernel
 #                   before), --wgmma (bf16 persistent, FP8 warp-specialised) and
 #                   --wgmma-persistent (FP8 too), alternating twice
+#   late-start      the persistent kernel with its CTAs of one item fewer starting late (kernel_driver
+#                   --late-start CYCLES, $TIMELINE_DRIVER's build: 0, 6000, 12000, 24000 cycles), the
+#                   DSpark blocks under --wgmma and --wgmma-persistent, twice: whether loads spread
+#                   over time make the items shorter (docs/kernels.md Next steps 1a)
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
@@ -105,6 +109,14 @@ for step in "$@"; do
         done
       done ;;
     timeline) run 120 "${TIMELINE_DRIVER:-.dev/build_tl/kernel_driver}" --wgmma --rope --timeline bench ;;
+    late-start)
+      for i in 1 2; do
+        for n in 0 6000 12000 24000; do
+          for schedule in --wgmma --wgmma-persistent; do
+            run 60 "${TIMELINE_DRIVER:-.dev/build_tl/kernel_driver}" "$schedule" --rope --timeline --late-start "$n" bench DSpark
+          done
+        done
+      done ;;
     persistent)
       run 60 "$DRIVER" --wgmma-persistent
       [ "$last" -ne 0 ] && echo "== persistent: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue

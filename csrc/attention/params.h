@@ -113,6 +113,9 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 // %smid and its tile count. `ctas` bounds the index; a null buffer turns it off.
 constexpr int kAttnTimelineWords = 12;
 cudaError_t set_attention_timeline(unsigned long long* buffer, int ctas);
+// Experiment: the persistent kernel's CTAs with one work item fewer than the others spin this
+// many cycles before their first (0: off).
+cudaError_t set_persistent_late_start(long long cycles);
 #endif
 
 }  // namespace jds

@@ -224,6 +224,7 @@ enum TimelineSlot {
 #ifdef JAX_DSPARK_ATTENTION_TIMELINE
 __device__ unsigned long long* g_timeline = nullptr;
 __device__ int g_timeline_ctas = 0;
+__device__ long long g_late_start_cycles = 0;  // set_persistent_late_start
 #endif
 __device__ __forceinline__ void timeline_mark([[maybe_unused]] TimelineSlot slot, [[maybe_unused]] int ntiles = 0) {
 #ifdef JAX_DSPARK_ATTENTION_TIMELINE
@@ -923,6 +924,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     return w.ntiles > 0 ? row_index(p, 0, w.key_begin, w.key_end, w.bs, row) : -1;
   };
 
+#ifdef JAX_DSPARK_ATTENTION_TIMELINE
+  // Experiment (timeline builds): the CTAs with one item fewer than the others start late, so
+  // that their loads do not arrive in the same burst as everyone else's.
+  if (g_late_start_cycles > 0 && items % int(gridDim.x) != 0 && int(blockIdx.x) >= items % int(gridDim.x)) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < g_late_start_cycles) {
+    }
+  }
+#endif
   int item = blockIdx.x;
   AttnWorkItem w = item_at(item);
   int rq = 0, ra = 1, rb = 2;
@@ -1556,6 +1566,10 @@ cudaError_t run_sparse_sink_attention_wgmma_probe(const SparseSinkAttentionParam
 cudaError_t set_attention_timeline(unsigned long long* buffer, int ctas) {
   const cudaError_t err = cudaMemcpyToSymbol(g_timeline, &buffer, sizeof(buffer));
   return err != cudaSuccess ? err : cudaMemcpyToSymbol(g_timeline_ctas, &ctas, sizeof(ctas));
+}
+
+cudaError_t set_persistent_late_start(long long cycles) {
+  return cudaMemcpyToSymbol(g_late_start_cycles, &cycles, sizeof(cycles));
 }
 #endif
 

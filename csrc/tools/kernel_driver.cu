@@ -22,6 +22,8 @@
 //   kernel_driver bench ... --timeline  (timeline builds: -DJAX_DSPARK_ATTENTION_TIMELINE=ON) one
 //                            more launch of each case recording every CTA's phases
 //                            (set_attention_timeline), summarised as a second JSON line
+//   kernel_driver ... --late-start CYCLES  (timeline builds) the persistent kernel's CTAs with
+//                            one work item fewer spin CYCLES before their first (an experiment)
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -715,6 +717,13 @@ int main(int argc, char** argv) {
       return 2;
 #endif
       bench_timeline = true;
+    } else if (std::strcmp(argv[i], "--late-start") == 0 && i + 1 < argc) {
+#ifndef JAX_DSPARK_ATTENTION_TIMELINE
+      std::printf("--late-start: this kernel_driver was built without -DJAX_DSPARK_ATTENTION_TIMELINE=ON\n");
+      return 2;
+#else
+      CK(jds::set_persistent_late_start(std::atoll(argv[++i])));
+#endif
     } else if (std::strcmp(argv[i], "--prep-half") == 0) {
       prep_half = 1;
     } else if (std::strcmp(argv[i], "--probe-gather1") == 0) {
