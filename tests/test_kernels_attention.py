@@ -406,6 +406,32 @@ def test_scores_climbing_across_tiles_move_the_softmax_offset_and_match(b, fp8):
     (check_fp8 if fp8 else check)(args, scale=1.0)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("b", [4, 66])
+def test_a_jump_in_one_half_of_a_tile_moves_the_offset_of_both_halves(b, fp8):
+    # Each warpgroup masks, maxes and exponentiates its own 32 keys of a tile and computes P
+    # with the offset it has before it sees its partner's maxima, unless its own keys move it
+    # (softmax_pv); both halves must still end on one offset. Here the tiles' first or second
+    # halves jump in turn (by 10 log2 units: past the slack of 8), and by how much depends on
+    # the head, so in one tile some rows of a warp move and others do not, and in some tiles
+    # only one warpgroup's keys move the offset. Shapes as in the test above.
+    h, k = 128, 64 * 17
+    rng = np.random.default_rng(90 + b + fp8)
+    q = 0.1 * rng.standard_normal((b, 1, h, D))
+    q[..., -1] = np.where(np.arange(h) % 3 == 0, 1.0, 0.7)
+    rows = 0.1 * rng.standard_normal((k, D))
+    tile, key = np.arange(k) // 64, np.arange(k) % 64
+    jump = np.where(tile % 3 == 1, key < 32, np.where(tile % 3 == 2, key >= 32, False))
+    rows[:, -1] = 2.0 * tile + 0.5 * rng.random(k) + 10.0 * jump * (tile + 1) / 4
+    rows = jnp.asarray(rows, jnp.bfloat16)
+    args = dict(
+        q=jnp.asarray(q, jnp.bfloat16),
+        main_rows=kv_fp8.quantize_kv_rows(rows.astype(jnp.float32)) if fp8 else rows,
+        main_idx=jnp.asarray(np.broadcast_to(np.arange(k, dtype=np.int32), (b, 1, k))),
+    )
+    (check_fp8 if fp8 else check)(args, scale=1.0)
+
+
 def test_fp8_all_masked_rows_give_zeros():
     args, _ = fp8_case(24, b=2, s=1, h=64, k=200, drop=1.0)
     out, lse = run_kernel(args, scale=0.1)
