@@ -381,22 +381,18 @@ def test_fp8_long_splits_take_the_warp_specialised_schedule_and_match():
     check_fp8(args, sink=jnp.asarray(rng.standard_normal(h), jnp.float32), scale=512**-0.5, inverse_rope=rope)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("b", [4, 66])
-def test_scores_climbing_across_tiles_move_the_softmax_offset_and_match(b, fp8):
-    # The wgmma kernels keep a row's softmax offset until a tile's max passes it by more than
-    # 8 (log2 units, kRescaleSlack) and rescale O only then. Here the scores climb about 6.5
-    # log2 units a tile (the offset kept, then moved, in turn), jump by 43 at tile 7 and drop
-    # after tile 8. b 66 at H 128 is one split of 17 tiles a CTA on a 132-SM GPU (both pool
-    # kinds on the warp-specialised schedule), b 4 many splits of one or two tiles (lockstep).
+def check_scores_set_by_the_last_dim(b, fp8, seed, q_last, last_dim):
+    # H 128, 17 full tiles of one list shared by every query row; the scores are about q's last
+    # dim (q_last, per head) times the rows' last dim (last_dim(tile, key) plus noise under 0.5),
+    # a RoPE dim: bf16 in FP8 rows as well. b 66 is one split of 17 tiles a CTA on a 132-SM GPU
+    # (both pool kinds on the warp-specialised schedule), b 4 many splits of one or two tiles
+    # (lockstep).
     h, k = 128, 64 * 17
-    rng = np.random.default_rng(60 + b + fp8)
+    rng = np.random.default_rng(seed)
     q = 0.1 * rng.standard_normal((b, 1, h, D))
-    q[..., -1] = 1.0
+    q[..., -1] = q_last(np.arange(h))
     rows = 0.1 * rng.standard_normal((k, D))
-    tile = np.arange(k) // 64
-    # in the last dim, a RoPE dim: bf16 in FP8 rows as well
-    rows[:, -1] = 4.5 * tile + 0.5 * rng.random(k) + 30.0 * (tile == 7) - 40.0 * (tile > 8)
+    rows[:, -1] = last_dim(np.arange(k) // 64, np.arange(k) % 64) + 0.5 * rng.random(k)
     rows = jnp.asarray(rows, jnp.bfloat16)
     args = dict(
         q=jnp.asarray(q, jnp.bfloat16),
@@ -404,6 +400,18 @@ def test_scores_climbing_across_tiles_move_the_softmax_offset_and_match(b, fp8):
         main_idx=jnp.asarray(np.broadcast_to(np.arange(k, dtype=np.int32), (b, 1, k))),
     )
     (check_fp8 if fp8 else check)(args, scale=1.0)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("b", [4, 66])
+def test_scores_climbing_across_tiles_move_the_softmax_offset_and_match(b, fp8):
+    # The wgmma kernels keep a row's softmax offset until a tile's max passes it by more than
+    # 8 (log2 units, kRescaleSlack) and rescale O only then. Here the scores climb about 6.5
+    # log2 units a tile (the offset kept, then moved, in turn), jump by 43 at tile 7 and drop
+    # after tile 8.
+    check_scores_set_by_the_last_dim(
+        b, fp8, 60 + b + fp8, lambda head: 1.0,
+        lambda tile, key: 4.5 * tile + 30.0 * (tile == 7) - 40.0 * (tile > 8))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -412,24 +420,14 @@ def test_a_jump_in_one_half_of_a_tile_moves_the_offset_of_both_halves(b, fp8):
     # Each warpgroup masks, maxes and exponentiates its own 32 keys of a tile and computes P
     # with the offset it has before it sees its partner's maxima, unless its own keys move it
     # (softmax_pv); both halves must still end on one offset. Here the tiles' first or second
-    # halves jump in turn (by 10 log2 units: past the slack of 8), and by how much depends on
-    # the head, so in one tile some rows of a warp move and others do not, and in some tiles
-    # only one warpgroup's keys move the offset. Shapes as in the test above.
-    h, k = 128, 64 * 17
-    rng = np.random.default_rng(90 + b + fp8)
-    q = 0.1 * rng.standard_normal((b, 1, h, D))
-    q[..., -1] = np.where(np.arange(h) % 3 == 0, 1.0, 0.7)
-    rows = 0.1 * rng.standard_normal((k, D))
-    tile, key = np.arange(k) // 64, np.arange(k) % 64
-    jump = np.where(tile % 3 == 1, key < 32, np.where(tile % 3 == 2, key >= 32, False))
-    rows[:, -1] = 2.0 * tile + 0.5 * rng.random(k) + 10.0 * jump * (tile + 1) / 4
-    rows = jnp.asarray(rows, jnp.bfloat16)
-    args = dict(
-        q=jnp.asarray(q, jnp.bfloat16),
-        main_rows=kv_fp8.quantize_kv_rows(rows.astype(jnp.float32)) if fp8 else rows,
-        main_idx=jnp.asarray(np.broadcast_to(np.arange(k, dtype=np.int32), (b, 1, k))),
-    )
-    (check_fp8 if fp8 else check)(args, scale=1.0)
+    # halves jump in turn (by up to 10 log2 units a quarter tile: past the slack of 8 from
+    # tile 2 on), and by how much depends on the head, so in one tile some rows of a warp move
+    # and others do not, and in some tiles only one warpgroup's keys move the offset.
+    def last_dim(tile, key):
+        jump = np.where(tile % 3 == 1, key < 32, np.where(tile % 3 == 2, key >= 32, False))
+        return 2.0 * tile + 10.0 * jump * (tile + 1) / 4
+
+    check_scores_set_by_the_last_dim(b, fp8, 90 + b + fp8, lambda head: np.where(head % 3 == 0, 1.0, 0.7), last_dim)
 
 
 def test_fp8_all_masked_rows_give_zeros():
