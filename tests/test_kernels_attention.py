@@ -417,12 +417,13 @@ def test_scores_climbing_across_tiles_move_the_softmax_offset_and_match(b, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("b", [4, 66])
 def test_a_jump_in_one_half_of_a_tile_moves_the_offset_of_both_halves(b, fp8):
-    # Each warpgroup masks, maxes and exponentiates its own 32 keys of a tile and computes P
-    # with the offset it has before it sees its partner's maxima, unless its own keys move it
-    # (softmax_pv); both halves must still end on one offset. Here the tiles' first or second
-    # halves jump in turn (by up to 10 log2 units a quarter tile: past the slack of 8 from
-    # tile 2 on), and by how much depends on the head, so in one tile some rows of a warp move
-    # and others do not, and in some tiles only one warpgroup's keys move the offset.
+    # Each warpgroup masks and maxes its own 32 keys of a tile, and the two halves must agree
+    # on the row's offset (softmax_pv swaps the maxima; a schedule that computed P before the
+    # swap, tried on 2026-12-07, has to fall back when one half moves it). Here the tiles'
+    # first or second halves jump in turn (by up to 10 log2 units a quarter tile: past the
+    # slack of 8 from tile 2 on), and by how much depends on the head, so in one tile some rows
+    # of a warp move and others do not, and in some tiles only one warpgroup's keys move the
+    # offset.
     def last_dim(tile, key):
         jump = np.where(tile % 3 == 1, key < 32, np.where(tile % 3 == 2, key >= 32, False))
         return 2.0 * tile + 10.0 * jump * (tile + 1) / 4
