@@ -58,6 +58,7 @@ mkdir -p "$OUT"
 LOG=$OUT/checks.log
 export PYTHONUNBUFFERED=1 JAX_DSPARK_FFI_LIB=$PWD/$BUILD/libjax_dspark_ffi.so
 DRIVER=$BUILD/kernel_driver
+TIMELINE_DRIVER=${TIMELINE_DRIVER:-.dev/build_tl/kernel_driver}
 status=0
 last=0
 
@@ -108,12 +109,12 @@ for step in "$@"; do
           run 60 "$DRIVER" "$schedule" bench "$c"
         done
       done ;;
-    timeline) run 120 "${TIMELINE_DRIVER:-.dev/build_tl/kernel_driver}" --wgmma --rope --timeline bench ;;
+    timeline) run 120 "$TIMELINE_DRIVER" --wgmma --rope --timeline bench ;;
     late-start)
       for i in 1 2; do
         for n in 0 6000 12000 24000; do
           for schedule in --wgmma --wgmma-persistent; do
-            run 60 "${TIMELINE_DRIVER:-.dev/build_tl/kernel_driver}" "$schedule" --rope --timeline --late-start "$n" bench DSpark
+            run 60 "$TIMELINE_DRIVER" "$schedule" --rope --timeline --late-start "$n" bench DSpark
           done
         done
       done ;;
