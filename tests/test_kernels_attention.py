@@ -326,12 +326,13 @@ def dequantised(args):
     return {k: kv_fp8.dequantize_kv_rows(v) if kv_fp8.is_fp8_rows(v) else v for k, v in args.items()}
 
 
-def check_fp8(args, **kw):
-    """Reference tolerance, and (near-)identical to the kernel over the dequantised bf16 rows."""
+def check_fp8(args, same_tol=1e-5, **kw):
+    """Reference tolerance, and (near-)identical to the kernel over the dequantised bf16 rows
+    (within `same_tol`: see check_scores_set_by_the_last_dim for where that is not 1e-5)."""
     out, lse = check(args, **kw)
     with _kernels.attention_kernel(_kernels.attention_variant(fp8=True)):
         out_bf16, lse_bf16 = run_kernel(dequantised(args), **kw)
-    assert rel_err(out, out_bf16) < 1e-5
+    assert rel_err(out, out_bf16) < same_tol
     lse, lse_bf16 = np.asarray(lse), np.asarray(lse_bf16)
     assert np.array_equal(np.isneginf(lse), np.isneginf(lse_bf16))
     finite = np.isfinite(lse_bf16)
@@ -399,7 +400,15 @@ def check_scores_set_by_the_last_dim(b, fp8, seed, q_last, last_dim):
         main_rows=kv_fp8.quantize_kv_rows(rows.astype(jnp.float32)) if fp8 else rows,
         main_idx=jnp.asarray(np.broadcast_to(np.arange(k, dtype=np.int32), (b, 1, k))),
     )
-    (check_fp8 if fp8 else check)(args, scale=1.0)
+    if not fp8:
+        return check(args, scale=1.0)
+    # At b 66 the FP8 and the bf16 pool take the warp-specialised kernel, which sums S over
+    # each half of D for FP8 rows and over all of D for bf16 rows (kSOverHalfD). With scores
+    # near 75 the two fp32 S differ in their last bit, which flips some bf16 roundings of P:
+    # 1.9e-4 apart on an H100 for the jump test (2026-12-07), 2.1e-4 in a float64 emulation of
+    # the two summation orders with P rounded to bf16 (docs/kernels.md, "The H100 again").
+    # An expansion error reaches every row (a wrong scale block or chunk) and moves far more.
+    check_fp8(args, same_tol=1e-5 if b == 4 else 5e-4, scale=1.0)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
