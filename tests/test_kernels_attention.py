@@ -406,7 +406,8 @@ def check_scores_set_by_the_last_dim(b, fp8, seed, q_last, last_dim):
     # each half of D for FP8 rows and over all of D for bf16 rows (kSOverHalfD). With scores
     # near 75 the two fp32 S differ in their last bit, which flips some bf16 roundings of P:
     # 1.9e-4 apart on an H100 for the jump test (2026-12-07), 2.1e-4 in a float64 emulation of
-    # the two summation orders with P rounded to bf16 (docs/kernels.md, "The H100 again").
+    # the two summation orders with P rounded to bf16 (docs/kernels.md, "Every GPU test with
+    # the persistent kernel's library").
     # An expansion error reaches every row (a wrong scale block or chunk) and moves far more.
     check_fp8(args, same_tol=1e-5 if b == 4 else 5e-4, scale=1.0)
 
