@@ -39,6 +39,13 @@
 #                   --late-start CYCLES, $TIMELINE_DRIVER's build: 0, 6000, 12000, 24000 cycles), the
 #                   DSpark blocks under --wgmma and --wgmma-persistent, twice: whether loads spread
 #                   over time make the items shorter (docs/kernels.md Next steps 1a)
+#   ncu             Nsight Compute (--set full, clocks left alone) of the fourth launch of kernel
+#                   $NCU_KERNEL (a regex, default wgmma_ws_kernel) in `$NCU_DRIVER --wgmma --rope bench
+#                   "$NCU_CASE"` (defaults: .dev/build_li/kernel_driver, a build configured with
+#                   -DCMAKE_CUDA_FLAGS=-lineinfo; "V4-Pro HCA"): $OUT/ncu_details.txt and
+#                   $OUT/ncu_sass.csv, which tools/ncu_source_lines.py joins with `nvdisasm -gi` of
+#                   the same driver here (docs/kernels.md, "Every GPU test with the persistent
+#                   kernel's library")
 #   probes          where the lockstep kernel's time goes, on $PROBE_CASES (default "dense 16k"):
 #                   kernel_driver bench with the real kernel, its gather alone (1 and 2 tiles
 #                   in flight) and its compute alone (AttnProbe in attention/params.h)
@@ -135,6 +142,12 @@ for step in "$@"; do
           run 150 "$DRIVER" "$schedule" ${AB_FLAGS:-} bench ${AB_CASES:+"$AB_CASES"}
         done
       done ;;
+    ncu)
+      run 200 ncu --clock-control none --set full -k "regex:${NCU_KERNEL:-wgmma_ws_kernel}" --launch-skip 3 \
+        --launch-count 1 -f -o "$OUT/ncu" "${NCU_DRIVER:-.dev/build_li/kernel_driver}" --wgmma --rope bench \
+        "${NCU_CASE:-V4-Pro HCA}"
+      ncu -i "$OUT/ncu.ncu-rep" --page details --print-units base > "$OUT/ncu_details.txt" 2>&1
+      ncu -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1 ;;
     probes)
       for mode in --wgmma-lockstep --probe-gather1 --probe-gather2 --probe-math --wgmma-lockstep; do
         run 150 "$DRIVER" "$mode" bench "${PROBE_CASES:-dense 16k}"
