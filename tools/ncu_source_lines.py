@@ -174,7 +174,8 @@ def main() -> None:
     producer = None
     if args.producer:
         lo, hi = (int(x) for x in args.producer.split("-"))
-        kernel_file = Path(insts[0].frames[0].file).name if insts and insts[0].frames else ""
+        # the kernel's own file: the outermost frame (an innermost one may be an inlined header)
+        kernel_file = Path(insts[0].frames[-1].file).name if insts and insts[0].frames else ""
         producer = (kernel_file, lo, hi)
     out = summarise(insts, samples, stalls, sources, producer)
     total = sum(s[SAMPLES] for s in samples) or 1.0
