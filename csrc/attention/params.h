@@ -80,9 +80,6 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
 // validate and time both on the same shapes.
 cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionParams& p, cudaStream_t stream);
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
-// The warp-specialised schedule with the seesaw consumers (one warpgroup's softmax under the
-// other's S; seesaw_tiles in the .cu): kernel_driver --wgmma-seesaw, a candidate.
-cudaError_t run_sparse_sink_attention_wgmma_seesaw(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // One-split launches on min(items, SMs) persistent lockstep CTAs that load the next work
 // item's Q and first tile while finishing the current one, for either pool kind (the
 // dispatch above takes them for bf16 pools with more items than SMs: use_persistent);

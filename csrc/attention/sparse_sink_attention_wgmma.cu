@@ -1035,16 +1035,12 @@ static_assert(kEmptyBar + 1 < kEpilogueBar && kEpilogueBar < 16, "named barrier 
 // e4m3 bytes, RoPE dims and scales a tile ahead (produce_fp8_tiles, 80 registers of data):
 // 112 is the least without spills, and at 96 / 200 both sides spill.
 constexpr int kLaunchRegs = 168;
-// The FP8 seesaw consumers (seesaw_tiles: a tile's full S beside O) spilled 44 bytes at 192
-// (ptxas), so they take 8 more and the FP8 producers 8 fewer: the whole pool.
-template <bool kFp8, bool kSeesaw = false> constexpr int kProducerRegs = kFp8 ? (kSeesaw ? 104 : 112) : 40;
-template <bool kFp8, bool kSeesaw = false> constexpr int kConsumerRegs = kFp8 ? (kSeesaw ? 200 : 192) : 232;
-template <bool kFp8, bool kSeesaw>
-constexpr bool kRegisterSplitFits = 128 * kProducerRegs<kFp8, kSeesaw> + kThreads * kConsumerRegs<kFp8, kSeesaw> <=
-                                    kWsThreads * kLaunchRegs;
-static_assert(kRegisterSplitFits<false, false> && kRegisterSplitFits<true, false> && kRegisterSplitFits<false, true> &&
-                  kRegisterSplitFits<true, true>,
-              "register pool of the setmaxnreg split");
+template <bool kFp8> constexpr int kProducerRegs = kFp8 ? 112 : 40;
+template <bool kFp8> constexpr int kConsumerRegs = kFp8 ? 192 : 232;
+static_assert(128 * kProducerRegs<false> + kThreads * kConsumerRegs<false> <= kWsThreads * kLaunchRegs,
+              "register pool of the setmaxnreg split (bf16)");
+static_assert(128 * kProducerRegs<true> + kThreads * kConsumerRegs<true> <= kWsThreads * kLaunchRegs,
+              "register pool of the setmaxnreg split (FP8)");
 
 // Producer warp pw's share of the 64 rows at smem address `dst` (Q or a tile stage): rows
 // 16 pw .. 16 pw + 15, one per step, lane l copying chunks l and l + 32, so a warp
@@ -1157,9 +1153,7 @@ __device__ __forceinline__ void store_fp8_producer_row(const SparseSinkAttention
 }
 
 // `issue_q`: the caller's copies of the Q block, issued once tile 0's index loads are in flight.
-// kFullCount: the threads of a full barrier (all 384, or the producers and the stage's owner
-// under the seesaw consumers).
-template <int kFullCount, class IssueQ>
+template <class IssueQ>
 __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParams& p, uint8_t* smem,
                                                   const AttnWorkItem& item, int pt, IssueQ&& issue_q) {
   const int key_begin = item.key_begin, key_end = item.key_end, ntiles = item.ntiles;
@@ -1190,7 +1184,7 @@ __device__ __forceinline__ void produce_fp8_tiles(const SparseSinkAttentionParam
     cp_async_commit();  // bf16 rows of a mixed call (and, at t = 0, the caller's Q block)
     cp_async_wait<0>();
     fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
-    named_barrier_arrive(kFullBar + stage, kFullCount);
+    named_barrier_arrive(kFullBar + stage, kWsThreads);
     // Only after the fence: it compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, and the
     // MEMBAR waits for this thread's outstanding global loads, so loads issued before it
     // put a whole DRAM round trip into every tile's announcement (13ebf07: +14% on HCA).
@@ -1213,127 +1207,8 @@ __device__ __forceinline__ void producers_leave(int num_splits) {
   }
 }
 
-// ---- Seesaw consumers (kernel_driver --wgmma-seesaw; FlashMLA's schedule for this shape) ----
-// In the consumers above both warpgroups run S, the softmax and P V in the same phases, so
-// the tensor pipe idles while they do the softmax and the swaps (ncu of V4-Pro HCA on an H100:
-// a third of a consumer's time waiting for its own wgmmas, 19% in the softmax). Here tile t
-// has one owner, warpgroup t % 2 (its tiles land in stage t % 2, so stage c is warpgroup c's):
-// the owner computes all of S = Q K^T for the tile's 64 keys over all of D (m64n64k16, 32
-// steps), the row maxima, the new offset and P, and publishes P in shared memory (a 64 x 64
-// bf16 operand tile in the 128-byte swizzle, as Q's first column block) with the rows'
-// offsets and rescale factors; then both warpgroups multiply P by their half of V's columns,
-// the owner from registers, the partner from that tile. The owner of tile t + 1 computes its
-// S before it waits for tile t's P, so one warpgroup's softmax runs under the other's S
-// wgmmas. The running offset is a chain (tile t + 1's owner needs tile t's), carried through
-// the published offsets; each warpgroup applies every tile's factor to its half of O and to
-// its row sums, which hold the P row sums of the tiles it owned, so after the last tile both
-// halves share one offset and the epilogue adds the two sums as before. Every tile is computed
-// as a full one (a short last tile's absent keys are masked and their V rows zero-filled, so
-// they add +0).
-// Shared memory, in the 24 KB of the split-S swap areas (which this schedule does not use):
-// owner c's P tile at kOffSeesawP + 8 KB c (1024-aligned, as the swizzle needs), then
-// [owner][64 rows] float2 (offset, factor). kSeesawBar + c: warpgroup c arrives once its P is
-// published, the other syncs (256 threads). One buffer an owner is enough: warpgroup c
-// overwrites tile t's P with tile t + 2's only after the sync on tile t + 1's P, which its
-// partner publishes after its P V of tile t has completed.
-constexpr int kSeesawBar = 10;
-constexpr int kSeesawFull = 2 * 128;  // a stage's full barrier: the producers and its owner
-constexpr int kSeesawPBytes = BM * 128;
-constexpr int kOffSeesawP = (kOffXP + 1023) / 1024 * 1024;
-constexpr int kOffSeesawRows = kOffSeesawP + 2 * kSeesawPBytes;
-static_assert(kSeesawBar + 1 < 16 && kSeesawBar > kEpilogueBar, "named barrier ids");
-static_assert(kOffSeesawRows + 2 * BM * 8 <= kOffSink, "the seesaw's buffers fit the split-S swap areas");
-
-// P fragments pa (p_fragments<8>: k16 step ks, rows g / g + 8 of warp w, keys 16 ks + 8 (r / 2)
-// + 2 q4 ..) into the swizzled 64 x 64 tile at `dst`: row r's 16-byte chunk j at chunk j ^ (r % 8),
-// so a warp's 4-byte stores of one fragment register hit 32 distinct banks.
-__device__ __forceinline__ void store_p_tile(uint8_t* dst, const uint32_t (&pa)[4][4], int tid) {
-  const int w = (tid >> 5) & 3, g = (tid & 31) >> 2, q4 = tid & 3;
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = 16 * w + g + 8 * (r & 1), chunk = 2 * ks + (r >> 1);
-      *reinterpret_cast<uint32_t*>(dst + row * 128 + ((chunk ^ g) << 4) + 4 * q4) = pa[ks][r];
-    }
-}
-
-// O[:, 256c .. 256c + 255] += P V with P from the shared-memory tile at p_base (store_p_tile).
-__device__ __forceinline__ void pv_tile_smem_p(float (&o)[32][4], uint32_t p_base, uint32_t v_base) {
-  const uint64_t dp0 = gmma_desc_sw128(p_base, 16, 1024);
-  const uint64_t dv0 = gmma_desc_sw128(v_base, kBlockBytes, 1024);
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < BK / 16; ++ks)
-    wgmma_m64n256k16_ss_tb(o, desc_advance(dp0, ks * 32), desc_advance(dv0, ks * 16 * 128), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-#pragma unroll
-  for (int n = 0; n < 32; ++n) {
-    reg_fence(o[n][0]);
-    reg_fence(o[n][1]);
-    reg_fence(o[n][2]);
-    reg_fence(o[n][3]);
-  }
-}
-
-__device__ __forceinline__ void seesaw_tiles(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
-                                             uint32_t q_base, int ntiles, float sl2, int tid, int c) {
-  const int w = (tid >> 5) & 3, g = (tid & 31) >> 2, q4 = tid & 3;
-  float2* rows = reinterpret_cast<float2*>(smem + kOffSeesawRows);  // [owner][row]: (offset, factor)
-  const uint32_t v_half = c * 4 * kBlockBytes;                      // this warpgroup's V columns in a tile
-  auto stage_base = [&](int t) { return smem_addr(smem + kOffKV + (t & 1) * kTileBytes); };
-  float sc[32], mx[2];
-  // S of tile t (this warpgroup owns it) in log2 units, masked keys -inf, and its row maxima.
-  auto scores = [&](int t) {
-    named_barrier_sync(kFullBar + (t & 1), kSeesawFull);
-    s_product<D / 16>(sc, q_base, stage_base(t), [](float (&d)[32], uint64_t da, uint64_t db, int acc) {
-      wgmma_m64n64k16_ss(d, da, db, acc);
-    });
-    masked_row_max<8>(sc, smem + kOffValid + (t & 1) * BK, 0, q4, sl2, mx);
-  };
-  if (c == 0 && ntiles > 0) scores(0);
-  for (int t = 0; t < ntiles; ++t) {
-    if ((t & 1) == c) {  // the owner: sc and mx hold tile t's scores
-      float mu[2], alpha[2], rs[2];
-      uint32_t pa[4][4];
-      advance_max(m_run, mx, mu, alpha);
-      p_fragments<8>(sc, mu, pa, rs);
-      store_p_tile(smem + kOffSeesawP + c * kSeesawPBytes, pa, tid);
-      if (q4 == 0) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) rows[c * BM + 16 * w + g + 8 * i] = make_float2(m_run[i], alpha[i]);
-      }
-      fence_proxy_async_smem();  // the P tile, before the partner's wgmma reads it
-      named_barrier_arrive(kSeesawBar + c, 256);
-      rescale_moved_rows(o, l_run, alpha, rs);
-      pv_tile<BK / 16>(o, pa, stage_base(t) + v_half);
-    } else {  // the partner: first the S of tile t + 1 (its own), under the owner's softmax
-#ifndef JAX_DSPARK_SEESAW_LATE_S
-      if (t + 1 < ntiles) scores(t + 1);
-#endif
-      named_barrier_sync(kSeesawBar + (1 - c), 256);
-      float alpha[2];
-      const float none[2] = {0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float2 f = rows[(1 - c) * BM + 16 * w + g + 8 * i];
-        m_run[i] = f.x, alpha[i] = f.y;
-      }
-      rescale_moved_rows(o, l_run, alpha, none);
-      pv_tile_smem_p(o, smem_addr(smem + kOffSeesawP + (1 - c) * kSeesawPBytes), stage_base(t) + v_half);
-#ifdef JAX_DSPARK_SEESAW_LATE_S
-      if (t + 1 < ntiles) scores(t + 1);
-#endif
-    }
-    if (t + 2 < ntiles) named_barrier_arrive(kEmptyBar + (t & 1), kWsThreads);  // its wgmmas have completed
-  }
-}
-
-// kSeesaw: the consumers take the seesaw schedule (seesaw_tiles) instead of the split S.
-template <bool kFp8, bool kCluster = false, bool kSeesaw = false>
+template <bool kFp8, bool kCluster = false>
 __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_kernel(const SparseSinkAttentionParams p) {
-  constexpr int kFullCount = kSeesaw ? kSeesawFull : kWsThreads;
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
   const AttnWorkItem item = attn_work_item(p);
@@ -1343,7 +1218,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   timeline_mark(kTlStart, ntiles);
 
   if (tid >= kThreads) {  // producer warpgroup
-    setmaxnreg_dec<kProducerRegs<kFp8, kSeesaw>>();
+    setmaxnreg_dec<kProducerRegs<kFp8>>();
     const int lane = tid & 31, pw = (tid >> 5) & 3;
     const int my_row = kRowsPerProducerWarp * pw + (lane % kRowsPerProducerWarp);
     const uint8_t* main = static_cast<const uint8_t*>(p.main_rows);
@@ -1359,7 +1234,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
       issue_rows(smem_addr(smem + kOffQ), q_rows, q_rows, BK, h < p.heads ? h : -1, q, pw, lane);
     };
     if constexpr (kFp8) {
-      produce_fp8_tiles<kFullCount>(p, smem, item, tid - kThreads, issue_q);
+      produce_fp8_tiles(p, smem, item, tid - kThreads, issue_q);
       return producers_leave<kCluster>(p.num_splits);
     }
     // Tile t into stage t % 2, with its row-validity flags; `eff` from `index_of(t)`.
@@ -1383,11 +1258,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     else
       cp_async_wait<0>();
     fence_proxy_async_smem();  // this thread's copies and flag stores, before wgmma reads them
-    named_barrier_arrive(kFullBar, kFullCount);
+    named_barrier_arrive(kFullBar, kWsThreads);
     for (int t = 0; t + 1 < ntiles; ++t) {
       cp_async_wait<0>();  // tile t + 1: the only group in flight
       fence_proxy_async_smem();
-      named_barrier_arrive(kFullBar + ((t + 1) & 1), kFullCount);
+      named_barrier_arrive(kFullBar + ((t + 1) & 1), kWsThreads);
       if (t + 2 < ntiles) {
         named_barrier_sync(kEmptyBar + (t & 1), kWsThreads);
         issue_tile(t + 2, eff);
@@ -1397,7 +1272,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
     return producers_leave<kCluster>(p.num_splits);
   }
 
-  setmaxnreg_inc<kConsumerRegs<kFp8, kSeesaw>>();
+  setmaxnreg_inc<kConsumerRegs<kFp8>>();
   load_epilogue_constants(p, smem, bs, item.h0, tid);
   if (ntiles == 0) named_barrier_sync(kEpilogueBar, kThreads);  // its stores, before finish_rows reads them
   float o[32][4], m_run[2], l_run[2];
@@ -1405,8 +1280,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   const float sl2 = p.scale * kLog2e;
   const uint32_t q_base = smem_addr(smem + kOffQ);
   const int wg = warpgroup_of(tid);
-  if constexpr (kSeesaw) seesaw_tiles(o, m_run, l_run, smem, q_base, ntiles, sl2, tid, wg);
-  for (int t = 0; !kSeesaw && t < ntiles; ++t) {
+  for (int t = 0; t < ntiles; ++t) {
     const int stage = t & 1;
     named_barrier_sync(kFullBar + stage, kWsThreads);
     if (t == 0) timeline_mark(kTlFirstTile, ntiles);
@@ -1513,18 +1387,14 @@ bool use_warp_specialised(const SparseSinkAttentionParams& p) {
   return p.heads > kAttnHeadsPerCta && tiles >= kWsMinTiles;
 }
 
-// kSeesaw: the warp-specialised producers with the seesaw consumers (kernel_driver --wgmma-seesaw).
-enum class Schedule { kLockstep, kWarpSpecialised, kSeesaw };
+enum class Schedule { kLockstep, kWarpSpecialised };
 
-template <Schedule kSchedule>
-constexpr bool kHasProducers = kSchedule != Schedule::kLockstep;
 template <bool kFp8, Schedule kSchedule, bool kCluster>
 constexpr void (*kAttentionKernel)(SparseSinkAttentionParams) =
-    kHasProducers<kSchedule>
-        ? sparse_sink_attention_wgmma_ws_kernel<kFp8, kCluster, kSchedule == Schedule::kSeesaw>
-        : sparse_sink_attention_wgmma_kernel<kFp8, false, kCluster>;
+    kSchedule == Schedule::kWarpSpecialised ? sparse_sink_attention_wgmma_ws_kernel<kFp8, kCluster>
+                                            : sparse_sink_attention_wgmma_kernel<kFp8, false, kCluster>;
 template <Schedule kSchedule>
-constexpr int kScheduleThreads = kHasProducers<kSchedule> ? kWsThreads : kThreads;
+constexpr int kScheduleThreads = kSchedule == Schedule::kWarpSpecialised ? kWsThreads : kThreads;
 
 // The grid of launch_attention_grid with a work item's splits as one cluster (finish_rows<true>).
 cudaLaunchConfig_t cluster_config(const SparseSinkAttentionParams& p, int threads, cudaStream_t stream,
@@ -1571,12 +1441,12 @@ cudaError_t use_cluster_merge(const SparseSinkAttentionParams& p, bool* use) {
   *use = false;
   if (p.num_splits < 2 || p.num_splits > kMaxClusterSplits) return cudaSuccess;
   constexpr int kDevices = 64;
-  static std::atomic<int> max_clusters[kDevices][3][kMaxClusterSplits + 1] = {};  // 0: not asked yet
+  static std::atomic<int> max_clusters[kDevices][2][kMaxClusterSplits + 1] = {};  // 0: not asked yet
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= kDevices) return cudaSuccess;
-  constexpr int ws = static_cast<int>(kSchedule);
+  constexpr int ws = kSchedule == Schedule::kWarpSpecialised;
   int fit = max_clusters[dev][ws][p.num_splits].load(std::memory_order_relaxed);
   if (fit == 0) {
     constexpr auto kernel = kAttentionKernel<kFp8, kSchedule, true>;
@@ -1603,7 +1473,7 @@ cudaError_t use_cluster_merge(const SparseSinkAttentionParams& p, bool* use) {
 template <bool kFp8, Schedule kSchedule, bool kCluster>
 cudaError_t launch_schedule(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   constexpr auto kernel = kAttentionKernel<kFp8, kSchedule, kCluster>;
-  if constexpr (kHasProducers<kSchedule>) {
+  if constexpr (kSchedule == Schedule::kWarpSpecialised) {
     static const cudaError_t pool = ws_register_pool<kernel>();
     if (pool != cudaSuccess) return pool;
   }
@@ -1644,8 +1514,6 @@ cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, 
   if (schedule == Schedule::kWarpSpecialised)
     return fp8 ? run_merge<true, Schedule::kWarpSpecialised>(p, merge, stream)
                : run_merge<false, Schedule::kWarpSpecialised>(p, merge, stream);
-  if (schedule == Schedule::kSeesaw)
-    return fp8 ? run_merge<true, Schedule::kSeesaw>(p, merge, stream) : run_merge<false, Schedule::kSeesaw>(p, merge, stream);
   return fp8 ? run_merge<true, Schedule::kLockstep>(p, merge, stream)
              : run_merge<false, Schedule::kLockstep>(p, merge, stream);
 }
@@ -1744,10 +1612,6 @@ cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionPa
 
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return run_schedule(p, Schedule::kWarpSpecialised, stream);
-}
-
-cudaError_t run_sparse_sink_attention_wgmma_seesaw(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  return run_schedule(p, Schedule::kSeesaw, stream);
 }
 
 cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {

@@ -4,7 +4,6 @@
 //                            poisoned with NaN, small cases checked against a float64 CPU reference
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
 //   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
-//   kernel_driver ... --wgmma-seesaw  the warp-specialised producers with the seesaw consumers (candidate)
 //   kernel_driver ... --wgmma-persistent  one-split launches on persistent lockstep CTAs (candidate)
 //   kernel_driver ... --wgmma-cluster / --wgmma-combine  the dispatched wgmma schedule with split
 //                            partials merged in a cluster (whenever 2..8 splits) / by the combine
@@ -704,8 +703,6 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_lockstep;
     } else if (std::strcmp(argv[i], "--wgmma-ws") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
-    } else if (std::strcmp(argv[i], "--wgmma-seesaw") == 0) {
-      run_attn = jds::run_sparse_sink_attention_wgmma_seesaw;
     } else if (std::strcmp(argv[i], "--wgmma-persistent") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_persistent;
     } else if (std::strcmp(argv[i], "--wgmma-cluster") == 0) {
@@ -744,7 +741,6 @@ int main(int argc, char** argv) {
   std::printf("attention kernel: %s\n", run_attn == jds::run_sparse_sink_attention                ? "mma.sync"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
-                                         : run_attn == jds::run_sparse_sink_attention_wgmma_seesaw ? "wgmma seesaw"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_persistent ? "wgmma persistent (one split)"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_cluster ? "wgmma, split partials merged in a cluster"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_combine ? "wgmma, split partials through the combine launch"
