@@ -454,19 +454,31 @@ __device__ __forceinline__ void softmax_pv(float (&o)[32][4], float (&m_run)[2],
 // partner is tid ^ 128, which holds the same rows and key offsets of the other half. Both
 // warpgroups then use the same running max, so O and the row sums rescale alike; the sums
 // stay per half until the epilogue. A short tile (at most 16 rows of the list: the last one
-// of a DSpark block's 133 rows, say) computes 16 columns of each half of S and one k16
-// step of P V. Exact: the other columns are masked (probability 0) and their V rows
-// zero-filled, so they would only add +0. Two instantiations rather than branches inside
-// one: ptxas serialises every wgmma of a kernel whose pipeline stages contain a branch.
+// of a DSpark block's 133 rows, say) computes S for keys 0 .. 15 in warpgroup 0 only (warpgroup
+// 1's keys are all masked) and one k16 step of P V. Exact: the other columns are masked
+// (probability 0) and their V rows zero-filled, so they would only add +0. Two instantiations
+// rather than branches inside one: ptxas serialises every wgmma of a kernel whose pipeline
+// stages contain a branch (the branch on c below holds a whole wgmma group, issue to wait,
+// and compiles without that: no C7511, registers unchanged). Skipping warpgroup 1's S (which
+// also read Q from shared memory beside warpgroup 0's) made the DSpark blocks 1.5-2% faster
+// on an H100 (docs/kernels.md, "Short tiles: one warpgroup's S").
 template <bool kShort, bool kHalfD>
 __device__ __forceinline__ void consume_tile(float (&o)[32][4], float (&m_run)[2], float (&l_run)[2], uint8_t* smem,
                                              uint32_t q_base, uint32_t kv_base, const uint8_t* s_valid, float sl2,
                                              int tid, int c) {
   float sc[16];
-  if constexpr (kHalfD && !kShort)
+  if constexpr (kHalfD && !kShort) {
     s_tile_half_d(sc, smem, q_base, kv_base, tid, c);
-  else
-    s_tile<kShort>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
+  } else if constexpr (kShort) {
+    if (c == 0) {  // warpgroup 1's keys (32 ..) are past a short tile: masked whatever sc holds
+      s_tile<true>(sc, q_base, kv_base);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sc[i] = 0.f;
+    }
+  } else {
+    s_tile<false>(sc, q_base, kv_base + c * 32 * 128);  // row 32c of every column block (1024-aligned)
+  }
   softmax_pv<kShort, kOffXRow>(o, m_run, l_run, smem, sc, kv_base, s_valid, sl2, tid, c);
 }
 
