@@ -470,9 +470,9 @@ __device__ __forceinline__ void consume_tile(float (&o)[32][4], float (&m_run)[2
   if constexpr (kHalfD && !kShort) {
     s_tile_half_d(sc, smem, q_base, kv_base, tid, c);
   } else if constexpr (kShort) {
-    if (c == 0) {  // warpgroup 1's keys (32 ..) are past a short tile: masked whatever sc holds
+    if (c == 0) {
       s_tile<true>(sc, q_base, kv_base);
-    } else {
+    } else {  // warpgroup 1's keys (32 ..) are past a short tile and masked; zeros keep sc defined
 #pragma unroll
       for (int i = 0; i < 16; ++i) sc[i] = 0.f;
     }
