@@ -505,9 +505,13 @@ def test_fp8_pools_reach_the_mma_kernel_only_when_asked(monkeypatch):
     assert "jax_dspark_sparse_sink_attention" in jax.jit(lambda a: ops.sparse_sink_attention(**a, scale=0.1)).lower(bf16).as_text()
 
 
-def test_fp8_more_work_items_than_sms_match():
-    b, s, h, k, k2 = 40, 4, 64, 150, 20
+@pytest.mark.parametrize("b, s, h, k, k2", [(40, 4, 64, 150, 20), (50, 3, 96, 200, 40)])
+def test_fp8_more_work_items_than_sms_match(b, s, h, k, k2):
+    # One split of 3 or 4 tiles over more work items than SMs: persistent warp-specialised
+    # CTAs (use_persistent in the .cu), each walking items whose regions rotate differently
+    # for odd and even tile counts; the second shape has a half-empty second head block.
     assert _work_items(b, s, h, k + k2) > _ffi.num_sms(), "the shape no longer has more work items than SMs"
+    assert _kernels.choose_splits(b, s, h, k + k2, _ffi.num_sms()) == 1, "the shape no longer takes one split"
     args, rng = fp8_case(27, extra_fp8=True, b=b, s=s, h=h, k=k, n=400, k2=k2, n2=50, drop=0.25)
     rope = jnp.asarray(rng.standard_normal((b, s, 32, 2)), jnp.float32)
     check_fp8(args, sink=jnp.asarray(rng.standard_normal(h), jnp.float32), scale=512**-0.5, inverse_rope=rope)

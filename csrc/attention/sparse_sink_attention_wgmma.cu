@@ -912,6 +912,21 @@ __device__ __forceinline__ uint8_t* region_valid(uint8_t* smem, int r) {
   return smem + (r == 0 ? kOffValidR0 : kOffValid + (r - 1) * BK);
 }
 
+// Work item i of a persistent one-split launch: attn_work_item of grid position
+// (i % x_items, 0, i / x_items), x_items = head blocks x query rows. (Written out rather than
+// generalising attn_work_item, which changed ptxas's allocation in the other kernels.)
+__device__ __forceinline__ AttnWorkItem persistent_item(const SparseSinkAttentionParams& p, int x_items, int i) {
+  AttnWorkItem w;
+  const int x = i % x_items, nhb = (p.heads + BM - 1) / BM;
+  w.h0 = (x % nhb) * BM;
+  w.bs = int64_t(i / x_items) * p.seq + x / nhb;
+  w.split = 0;
+  w.key_begin = 0;
+  w.key_end = p.k_main + p.k_extra;
+  w.ntiles = (w.key_end + BK - 1) / BK;
+  return w;
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_sink_attention_wgmma_persistent_kernel(const SparseSinkAttentionParams p) {
@@ -921,17 +936,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, row = tid >> 2, phase = tid & 3;
   const float sl2 = p.scale * kLog2e;
   const int wg = warpgroup_of(tid);
-  auto item_at = [&](int i) {  // attn_work_item of grid position (i % x_items, 0, i / x_items)
-    AttnWorkItem w;
-    const int x = i % x_items, nhb = (p.heads + BM - 1) / BM;
-    w.h0 = (x % nhb) * BM;
-    w.bs = int64_t(i / x_items) * p.seq + x / nhb;
-    w.split = 0;
-    w.key_begin = 0;
-    w.key_end = p.k_main + p.k_extra;
-    w.ntiles = (w.key_end + BK - 1) / BK;
-    return w;
-  };
+  auto item_at = [&](int i) { return persistent_item(p, x_items, i); };
   auto tile0_index = [&](const AttnWorkItem& w) {
     return w.ntiles > 0 ? row_index(p, 0, w.key_begin, w.key_end, w.bs, row) : -1;
   };
@@ -1305,6 +1310,158 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   timeline_mark(kTlEnd, ntiles);
 }
 
+// ---- Persistent warp-specialised CTAs (FP8 pools, one split; kernel_driver --wgmma-ws-persistent) ----
+// The FP8 counterpart of the persistent lockstep kernel: the short FP8 launches (the DSpark
+// blocks: 3 tiles an item, 2.4 or 9.7 items an SM) take the warp-specialised schedule, whose
+// producers expand the rows off the compute path, and the persistent lockstep kernel lost to
+// it (+5.5% / +6% on the H100, docs/kernels.md "Persistent lockstep CTAs"), so the overlap of
+// one item's epilogue with the next item's loads has to come from producers that walk the
+// items. min(items, SMs) CTAs; every item has the same n >= 1 tiles (one split over the whole
+// list). The three 64 KB regions rotate as in the persistent lockstep kernel: item i has Q in
+// rq and tile t in ra (t even) or rb (t odd); once its last tile (region x) is announced and
+// the other tile region y is handed back, the producers load item i + 1's Q into y; when the
+// consumers hand x back after their last P V, item i + 1's tile 0 goes there, and its tile 1
+// into rq once the consumers have staged item i's output rows there and their bulk copies
+// have read them. Item i + 1 then has (rq, ra, rb) = (y, x, rq).
+// Every region passes from the producers to the consumers and back through its own pair of
+// named barriers (kPwsFullBar + r, kPwsEmptyBar + r), whatever it holds: each fill is handed
+// back exactly once and each refill waits for that, so neither side can arrive twice on a
+// barrier before the other has passed it. A Q fill has no full barrier of its own: the
+// producers announce it with the item's tile 0. At the end the producers wait for the last
+// hand-backs, so no barrier is left half arrived.
+constexpr int kPwsFullBar = 10;   // + region
+constexpr int kPwsEmptyBar = 13;  // + region
+static_assert(kEpilogueBar < kPwsFullBar && kPwsEmptyBar + 2 < 16, "named barrier ids");
+
+__global__ void __launch_bounds__(kWsThreads, 1)
+    sparse_sink_attention_wgmma_ws_persistent_kernel(const SparseSinkAttentionParams p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
+  const int x_items = (p.heads + BM - 1) / BM * p.seq, items = x_items * p.batch;
+  const int key_end = p.k_main + p.k_extra, n = (key_end + BK - 1) / BK;  // >= 1 (launch_ws_persistent)
+  const int my_items = (items - 1 - int(blockIdx.x)) / int(gridDim.x) + 1;
+  const int tid = threadIdx.x;
+  auto item_of = [&](int j) { return persistent_item(p, x_items, int(blockIdx.x) + j * int(gridDim.x)); };
+
+  if (tid >= kThreads) {  // producer warpgroup: tile k of the CTA's sequence is item k / n's tile k % n
+    setmaxnreg_dec<kProducerRegs<true>>();
+    const int total = my_items * n;
+    int idx[2];
+    Fp8RowRegs held[2];
+    // The thread's rows and chunks (produce_fp8_tiles's mapping: rows row0, row0 + 32 of a tile
+    // at phase pt % 4; issue_rows's for Q) are derived where used: held across the loop beside
+    // the two rows of registers, they spilled.
+    auto row0 = [] { return (opaque(threadIdx.x) - kThreads) >> 2; };
+    auto phase = [] { return opaque(threadIdx.x) & 3; };
+    auto in_main = [&](int k, int r0, int r) { return (k % n) * BK + r0 + 32 * r < p.k_main; };
+    auto load_indices = [&](int k) {  // raw: checked by load_fp8_producer_row a tile later
+      const int64_t bs = item_of(k / n).bs;
+      const int r0 = row0();
+#pragma unroll
+      for (int r = 0; r < 2; ++r) idx[r] = k < total ? row_index(p, k % n, 0, key_end, bs, r0 + 32 * r) : -1;
+    };
+    auto load_rows = [&](int k) {
+      const int r0 = row0(), ph = phase();
+#pragma unroll
+      for (int r = 0; r < 2; ++r) held[r] = load_fp8_producer_row(p, in_main(k, r0, r), ph, idx[r]);
+    };
+    auto store_rows = [&](int k, int region) {
+      const int r0 = row0(), ph = phase();
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        store_fp8_producer_row(p, held[r], in_main(k, r0, r), region_of(smem, region), region_valid(smem, region),
+                               r0 + 32 * r, ph);
+    };
+    auto issue_q = [&](int region, int j) {  // item j's Q block, absent heads as zeros
+      const int t = opaque(threadIdx.x), lane = t & 31, pw = (t >> 5) & 3;
+      const int my_row = kRowsPerProducerWarp * pw + (lane % kRowsPerProducerWarp);
+      const AttnWorkItem w = item_of(j);
+      const uint8_t* q = static_cast<const uint8_t*>(p.q);
+      const uint8_t* q_rows = q + w.bs * p.heads * int64_t(D * 2);
+      const int h = w.h0 + my_row;
+      issue_rows(smem_addr(region_of(smem, region)), q_rows, q_rows, BK, h < p.heads ? h : -1, q, pw, lane);
+    };
+    unsigned filled = 0;  // bit r: region r has been filled (each fill is handed back once)
+    auto acquire = [&](int r) {
+      if (filled >> r & 1) named_barrier_sync(kPwsEmptyBar + r, kWsThreads);
+      filled |= 1u << r;
+    };
+    int rq = 0, ra = 1, rb = 2;
+    load_indices(0);
+    acquire(rq);
+    issue_q(rq, 0);
+    load_rows(0);
+    load_indices(1);
+    for (int k = 0; k < total; ++k) {
+      const int t = k % n, r = (t & 1) ? rb : ra;
+      acquire(r);
+      store_rows(k, r);
+      cp_async_commit();  // bf16 rows of a mixed call, and the item's Q with its tile 0
+      cp_async_wait<0>();
+      fence_proxy_async_smem();  // copies, expanded chunks, zero rows and flags, before wgmma reads them
+      named_barrier_arrive(kPwsFullBar + r, kWsThreads);
+      if (k + 1 < total) {  // after the fence (produce_fp8_tiles says why)
+        load_rows(k + 1);
+        load_indices(k + 2);
+      }
+      if (t == n - 1) {  // the item's last tile: the next item's Q into the other tile region
+        const int y = r == ra ? rb : ra;
+        if (k + 1 < total) {
+          acquire(y);
+          issue_q(y, k / n + 1);  // committed with the next tile 0
+        }
+        rb = rq;
+        rq = y;
+        ra = r;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 3; ++r)
+      if (filled >> r & 1) named_barrier_sync(kPwsEmptyBar + r, kWsThreads);  // the last hand-backs
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs<true>>();
+  int rq = 0, ra = 1, rb = 2;
+  bool bulk_pending = false;  // this thread's bulk copies of the previous item's rows, reads not yet waited for
+  for (int j = 0; j < my_items; ++j) {  // (timeline builds: a CTA's record is of its last item)
+    // What the item's code derives from the thread index, derived anew each item: hoisted out of
+    // this loop, it spilled 400 bytes (the consumers have 192 registers).
+    const int tid = opaque(threadIdx.x);
+    const float sl2 = p.scale * kLog2e;
+    const int wg = warpgroup_of(tid);
+    const AttnWorkItem w = item_of(j);
+    timeline_mark(kTlStart, n);
+    load_epilogue_constants(p, smem, w.bs, w.h0, tid);
+    if (j > 0) {  // rb held the previous item's Q, then its staged rows: hand it back once they are read
+      if (bulk_pending) bulk_wait_read();
+      named_barrier_arrive(kPwsEmptyBar + rb, kWsThreads);
+    }
+    float o[32][4], m_run[2], l_run[2];
+    init_rows(o, m_run, l_run);
+    const uint32_t q_base = smem_addr(region_of(smem, rq));
+    int r = ra;
+    for (int t = 0; t < n; ++t) {
+      r = (t & 1) ? rb : ra;
+      named_barrier_sync(kPwsFullBar + r, kWsThreads);  // tile t (with tile 0, the item's Q) landed
+      if (t == 0) timeline_mark(kTlFirstTile, n);
+      consume_rows_at<kSOverHalfD<true, true>>(o, m_run, l_run, smem, q_base, smem_addr(region_of(smem, r)),
+                                               region_valid(smem, r), min(BK, key_end - t * BK), sl2, tid, wg);
+      named_barrier_arrive(kPwsEmptyBar + r, kWsThreads);  // its wgmmas have completed
+    }
+    timeline_mark(kTlLastTile, n);
+    finish_rows<false, true>(p, smem, o, m_run, l_run, w.bs, w.h0, 0, tid, region_of(smem, rq));
+    timeline_mark(kTlEnd, n);
+    bulk_pending = tid < BM && w.h0 + tid < p.heads;
+    const int y = r == ra ? rb : ra;
+    rb = rq;
+    rq = y;
+    ra = r;
+  }
+  if (bulk_pending) bulk_wait_read();  // the staged rows must outlive their bulk copies' reads
+  named_barrier_arrive(kPwsEmptyBar + rb, kWsThreads);
+}
+
 #ifdef JAX_DSPARK_ATTENTION_PROBES
 // The gather probes' loop: kDepth tiles in flight per CTA, each thread waiting for the oldest
 // of its groups and the CTA barrier before issuing the next (`issue(t, idx)` copies tile t,
@@ -1530,19 +1687,34 @@ cudaError_t run_schedule(const SparseSinkAttentionParams& p, Schedule schedule, 
              : run_merge<false, Schedule::kLockstep>(p, merge, stream);
 }
 
-// The persistent kernel's grid: min(items, SMs) CTAs (one an SM).
-template <bool kFp8>
-cudaError_t launch_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  constexpr auto kernel = sparse_sink_attention_wgmma_persistent_kernel<kFp8>;
-  cudaError_t err = configure_attention_kernel<kernel>(kSmemBytesPersistent);
+// A persistent kernel's grid: min(items, SMs) CTAs (one an SM).
+template <void (*Kernel)(SparseSinkAttentionParams), int kBlockThreads>
+cudaError_t launch_persistent_grid(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if constexpr (kBlockThreads == kWsThreads) {
+    static const cudaError_t pool = ws_register_pool<Kernel>();
+    if (pool != cudaSuccess) return pool;
+  }
+  cudaError_t err = configure_attention_kernel<Kernel>(kSmemBytesPersistent);
   if (err != cudaSuccess) return err;
   int n_sms = 0;
   err = device_sm_count(&n_sms);
   if (err != cudaSuccess) return err;
   const int64_t items = int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch;
   const int grid = int(std::min<int64_t>(items, n_sms));
-  kernel<<<grid, kThreads, kSmemBytesPersistent, stream>>>(p);
+  Kernel<<<grid, kBlockThreads, kSmemBytesPersistent, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <bool kFp8>
+cudaError_t launch_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return launch_persistent_grid<sparse_sink_attention_wgmma_persistent_kernel<kFp8>, kThreads>(p, stream);
+}
+
+// The persistent warp-specialised kernel: FP8 pools, one split, a list of at least one tile
+// (its items all have the same n >= 1 tiles).
+bool ws_persistent_applies(const SparseSinkAttentionParams& p) {
+  return (p.main_fp8 || p.extra_fp8) && p.num_splits == 1 && p.k_main + p.k_extra > 0 && p.batch > 0 && p.seq > 0 &&
+         p.heads > 0;
 }
 
 Schedule dispatched_schedule(const SparseSinkAttentionParams& p) {
@@ -1585,28 +1757,38 @@ cudaError_t set_persistent_late_start(long long cycles) {
 }
 #endif
 
-// Whether a launch takes the persistent lockstep kernel: bf16 pools, one split, the lockstep
-// schedule, and more work items than SMs (with fewer, each CTA has one item and the kernel is
-// the lockstep one). H100, 2026-12-07, CUDA events against the kernels dispatched before:
-// DSpark block bf16 (320 items, 2.4 an SM) 52.1 -> 48.2 us, V4-Pro DSpark block bf16 (1280)
-// 164.7 -> 142.1; the FP8 blocks, forced onto it, lost to their warp-specialised kernel
-// (52.8 -> 55.7, 164.1 -> 174.0), so FP8 pools keep that (docs/kernels.md, "Persistent
-// lockstep CTAs that prefetch the next item").
-cudaError_t use_persistent(const SparseSinkAttentionParams& p, bool* use) {
-  *use = false;
-  if (p.main_fp8 || p.extra_fp8 || p.num_splits != 1 || dispatched_schedule(p) != Schedule::kLockstep)
+// Which persistent kernel a launch takes: one split and more work items than SMs (with
+// fewer, each CTA has one item and the kernel is the plain one), then the persistent
+// counterpart of the dispatched schedule: lockstep CTAs for bf16 pools, warp-specialised
+// ones for FP8 pools (lists of 3 tiles or more: use_warp_specialised). H100, 2026-12-07, CUDA
+// events against the kernels dispatched before: DSpark block bf16 (320 items, 2.4 an SM)
+// 52.1 -> 48.2 us, V4-Pro DSpark block bf16 (1280) 164.7 -> 142.1 (docs/kernels.md,
+// "Persistent lockstep CTAs that prefetch the next item"); the FP8 blocks lost on the
+// persistent lockstep kernel (52.8 -> 55.7, 164.1 -> 174.0) to their warp-specialised one,
+// which the persistent warp-specialised kernel keeps (docs/kernels.md, "Persistent
+// warp-specialised CTAs").
+enum class Persistent { kNone, kLockstep, kWarpSpecialised };
+cudaError_t use_persistent(const SparseSinkAttentionParams& p, Persistent* use) {
+  *use = Persistent::kNone;
+  if (p.num_splits != 1 || p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
+  const bool fp8 = p.main_fp8 || p.extra_fp8;
+  const Schedule schedule = dispatched_schedule(p);
+  if (fp8 ? schedule != Schedule::kWarpSpecialised || !ws_persistent_applies(p) : schedule != Schedule::kLockstep)
     return cudaSuccess;
   int n_sms = 0;
   const cudaError_t err = device_sm_count(&n_sms);
-  *use = err == cudaSuccess && int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch > n_sms;
+  if (err == cudaSuccess && int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch > n_sms)
+    *use = fp8 ? Persistent::kWarpSpecialised : Persistent::kLockstep;
   return err;
 }
 
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream) {
-  bool persistent = false;
+  Persistent persistent = Persistent::kNone;
   const cudaError_t err = use_persistent(p, &persistent);
   if (err != cudaSuccess) return err;
-  if (persistent && p.batch > 0 && p.seq > 0 && p.heads > 0) return launch_persistent<false>(p, stream);
+  if (persistent == Persistent::kLockstep) return launch_persistent<false>(p, stream);
+  if (persistent == Persistent::kWarpSpecialised)
+    return launch_persistent_grid<sparse_sink_attention_wgmma_ws_persistent_kernel, kWsThreads>(p, stream);
   return run_schedule(p, dispatched_schedule(p), stream);
 }
 
@@ -1624,6 +1806,11 @@ cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionPa
 
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   return run_schedule(p, Schedule::kWarpSpecialised, stream);
+}
+
+cudaError_t run_sparse_sink_attention_wgmma_ws_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  if (!ws_persistent_applies(p)) return run_sparse_sink_attention_wgmma(p, stream);
+  return launch_persistent_grid<sparse_sink_attention_wgmma_ws_persistent_kernel, kWsThreads>(p, stream);
 }
 
 cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {

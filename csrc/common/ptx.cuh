@@ -114,6 +114,14 @@ __device__ __forceinline__ void bulk_commit_and_wait_read() {
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
+// `v`, as a value the compiler cannot see through: what a loop body derives from it is
+// computed in the body, not hoisted out of the loop and held in registers (or spilled)
+// across it.
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
+}
+
 // ---- named barriers (a subset of the CTA's warps) --------------------------------------
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

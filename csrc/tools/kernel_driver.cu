@@ -5,6 +5,7 @@
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
 //   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
 //   kernel_driver ... --wgmma-persistent  one-split launches on persistent lockstep CTAs (candidate)
+//   kernel_driver ... --wgmma-ws-persistent  FP8 one-split launches on persistent warp-specialised CTAs
 //   kernel_driver ... --wgmma-cluster / --wgmma-combine  the dispatched wgmma schedule with split
 //                            partials merged in a cluster (whenever 2..8 splits) / by the combine
 //                            launch; --wgmma lets use_cluster_merge choose
@@ -387,6 +388,10 @@ static int memcheck(int sms) {
       {"many items, H=96, short lists", 30, 3, 96, 10, 3, 50, 8, 0.3f, false, true, false},
       {"many items, empty lists", 150, 1, 64, 0, 0, 0, 0, 0.0f, true, false, false},
       {"fp8 both, many items", 40, 4, 64, 150, 20, 300, 40, 0.2f, true, true, true, true, true},
+      // one split over 1 or 2 tiles an item, 2.3 / 2.7 items an SM: the persistent kernels' region
+      // rotation for odd and even tile counts (--wgmma-persistent, --wgmma-ws-persistent)
+      {"fp8 many items, one tile", 150, 2, 64, 40, 10, 300, 30, 0.2f, true, true, false, true, true, 1, 1},
+      {"fp8 many items, two tiles, H=96", 60, 3, 96, 90, 10, 200, 20, 0.3f, true, true, true, true, false, 1, 1},
       // 2 splits of 16 tiles: the warp-specialised schedule (H > 64 for bf16, any H for FP8)
       {"long splits, H=128, every 7th row", 32, 1, 128, 2048, 0, 4096, 0, 0.1f, true, true, false, false, false, 7},
       {"fp8 long splits, every 7th row", 64, 1, 64, 2048, 0, 4096, 0, 0.1f, true, true, false, true, false, 7},
@@ -705,6 +710,8 @@ int main(int argc, char** argv) {
       run_attn = jds::run_sparse_sink_attention_wgmma_ws;
     } else if (std::strcmp(argv[i], "--wgmma-persistent") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_persistent;
+    } else if (std::strcmp(argv[i], "--wgmma-ws-persistent") == 0) {
+      run_attn = jds::run_sparse_sink_attention_wgmma_ws_persistent;
     } else if (std::strcmp(argv[i], "--wgmma-cluster") == 0) {
       run_attn = jds::run_sparse_sink_attention_wgmma_cluster;
     } else if (std::strcmp(argv[i], "--wgmma-combine") == 0) {
@@ -742,6 +749,7 @@ int main(int argc, char** argv) {
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_persistent ? "wgmma persistent (one split)"
+                                         : run_attn == jds::run_sparse_sink_attention_wgmma_ws_persistent ? "wgmma persistent warp-specialised (FP8, one split)"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_cluster ? "wgmma, split partials merged in a cluster"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_combine ? "wgmma, split partials through the combine launch"
                                          : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
