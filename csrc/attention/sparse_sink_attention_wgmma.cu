@@ -1426,7 +1426,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   bool bulk_pending = false;  // this thread's bulk copies of the previous item's rows, reads not yet waited for
   for (int j = 0; j < my_items; ++j) {  // (timeline builds: a CTA's record is of its last item)
     // What the item's code derives from the thread index, derived anew each item: hoisted out of
-    // this loop, it spilled 400 bytes (the consumers have 192 registers).
+    // this loop and held across it, it spilled (the consumers have 192 registers; the first
+    // build spilled 420 bytes on both sides).
     const int tid = opaque(threadIdx.x);
     const float sl2 = p.scale * kLog2e;
     const int wg = warpgroup_of(tid);
