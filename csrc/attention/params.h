@@ -85,10 +85,11 @@ cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& 
 // dispatch above takes them for bf16 pools; FP8 pools take the next ones);
 // launches of several splits as dispatched. kernel_driver --wgmma-persistent.
 cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream);
-// FP8 one-split launches (of at least one tile) on min(items, SMs) persistent warp-specialised
+// One-split launches (of at least one tile) on min(items, SMs) persistent warp-specialised
 // CTAs, whose producers load the next work item's Q and first tile while the consumers
-// finish the current one (the dispatch above takes them for more items than SMs); other
-// launches as dispatched. kernel_driver --wgmma-ws-persistent.
+// finish the current one (the dispatch above takes them for FP8 pools with more items than
+// SMs; bf16 pools only here, an experiment not yet run on a GPU); other launches as
+// dispatched. kernel_driver --wgmma-ws-persistent.
 cudaError_t run_sparse_sink_attention_wgmma_ws_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // How split partials are merged, forced (schedule as dispatched): in a thread-block cluster
 // through distributed shared memory whenever 2 <= num_splits <= 8 (`_cluster`), or through

@@ -1310,7 +1310,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
   timeline_mark(kTlEnd, ntiles);
 }
 
-// ---- Persistent warp-specialised CTAs (FP8 pools, one split; kernel_driver --wgmma-ws-persistent) ----
+// ---- Persistent warp-specialised CTAs (one split; FP8 pools dispatched; kernel_driver --wgmma-ws-persistent) ----
 // The FP8 counterpart of the persistent lockstep kernel: the short FP8 launches (the DSpark
 // blocks: 3 tiles an item, 2.4 or 9.7 items an SM) take the warp-specialised schedule, whose
 // producers expand the rows off the compute path, and the persistent lockstep kernel lost to
@@ -1332,19 +1332,28 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
 constexpr int kPwsFullBar = 10;   // + region
 constexpr int kPwsEmptyBar = 13;  // + region
 static_assert(kEpilogueBar < kPwsFullBar && kPwsEmptyBar + 2 < 16, "named barrier ids");
+// bf16 pools (kernel_driver --wgmma-ws-persistent only; compiled without spills, not yet run on
+// a GPU): no row fits a producer's registers, so a tile's rows are copied (cp.async) once its
+// region is handed back, as in the plain warp-specialised kernel; the producers need more
+// registers than its 40 for the item loop, and the consumers (full-D S) get 216.
+template <bool kFp8> constexpr int kPwsProducerRegs = kFp8 ? kProducerRegs<true> : 64;
+template <bool kFp8> constexpr int kPwsConsumerRegs = kFp8 ? kConsumerRegs<true> : 216;
+static_assert(128 * kPwsProducerRegs<false> + kThreads * kPwsConsumerRegs<false> <= kWsThreads * kLaunchRegs,
+              "register pool of the setmaxnreg split (bf16, persistent)");
 
+template <bool kFp8>
 __global__ void __launch_bounds__(kWsThreads, 1)
     sparse_sink_attention_wgmma_ws_persistent_kernel(const SparseSinkAttentionParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzled operand atoms need 1024-byte alignment
   const int x_items = (p.heads + BM - 1) / BM * p.seq, items = x_items * p.batch;
-  const int key_end = p.k_main + p.k_extra, n = (key_end + BK - 1) / BK;  // >= 1 (launch_ws_persistent)
+  const int key_end = p.k_main + p.k_extra, n = (key_end + BK - 1) / BK;  // >= 1 (ws_persistent_applies)
   const int my_items = (items - 1 - int(blockIdx.x)) / int(gridDim.x) + 1;
   const int tid = threadIdx.x;
   auto item_of = [&](int j) { return persistent_item(p, x_items, int(blockIdx.x) + j * int(gridDim.x)); };
 
   if (tid >= kThreads) {  // producer warpgroup: tile k of the CTA's sequence is item k / n's tile k % n
-    setmaxnreg_dec<kProducerRegs<true>>();
+    setmaxnreg_dec<kPwsProducerRegs<kFp8>>();
     const int total = my_items * n;
     int idx[2];
     Fp8RowRegs held[2];
@@ -1363,7 +1372,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     auto load_rows = [&](int k) {
       const int r0 = row0(), ph = phase();
 #pragma unroll
-      for (int r = 0; r < 2; ++r) held[r] = load_fp8_producer_row(p, in_main(k, r0, r), ph, idx[r]);
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (kFp8) {
+          held[r] = load_fp8_producer_row(p, in_main(k, r0, r), ph, idx[r]);
+        } else {  // store_fp8_producer_row copies the bf16 row
+          held[r] = Fp8RowRegs{};
+          held[r].idx = checked_index(p, in_main(k, r0, r), idx[r]);
+        }
+      }
     };
     auto store_rows = [&](int k, int region) {
       const int r0 = row0(), ph = phase();
@@ -1421,7 +1437,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     return;
   }
 
-  setmaxnreg_inc<kConsumerRegs<true>>();
+  setmaxnreg_inc<kPwsConsumerRegs<kFp8>>();
   int rq = 0, ra = 1, rb = 2;
   bool bulk_pending = false;  // this thread's bulk copies of the previous item's rows, reads not yet waited for
   for (int j = 0; j < my_items; ++j) {  // (timeline builds: a CTA's record is of its last item)
@@ -1446,7 +1462,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       r = (t & 1) ? rb : ra;
       named_barrier_sync(kPwsFullBar + r, kWsThreads);  // tile t (with tile 0, the item's Q) landed
       if (t == 0) timeline_mark(kTlFirstTile, n);
-      consume_rows_at<kSOverHalfD<true, true>>(o, m_run, l_run, smem, q_base, smem_addr(region_of(smem, r)),
+      consume_rows_at<kSOverHalfD<kFp8, true>>(o, m_run, l_run, smem, q_base, smem_addr(region_of(smem, r)),
                                                region_valid(smem, r), min(BK, key_end - t * BK), sl2, tid, wg);
       named_barrier_arrive(kPwsEmptyBar + r, kWsThreads);  // its wgmmas have completed
     }
@@ -1711,11 +1727,15 @@ cudaError_t launch_persistent(const SparseSinkAttentionParams& p, cudaStream_t s
   return launch_persistent_grid<sparse_sink_attention_wgmma_persistent_kernel<kFp8>, kThreads>(p, stream);
 }
 
-// The persistent warp-specialised kernel: FP8 pools, one split, a list of at least one tile
-// (its items all have the same n >= 1 tiles).
+// The persistent warp-specialised kernel: one split, a list of at least one tile (its items
+// all have the same n >= 1 tiles).
 bool ws_persistent_applies(const SparseSinkAttentionParams& p) {
-  return (p.main_fp8 || p.extra_fp8) && p.num_splits == 1 && p.k_main + p.k_extra > 0 && p.batch > 0 && p.seq > 0 &&
-         p.heads > 0;
+  return p.num_splits == 1 && p.k_main + p.k_extra > 0 && p.batch > 0 && p.seq > 0 && p.heads > 0;
+}
+
+template <bool kFp8>
+cudaError_t launch_ws_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
+  return launch_persistent_grid<sparse_sink_attention_wgmma_ws_persistent_kernel<kFp8>, kWsThreads>(p, stream);
 }
 
 Schedule dispatched_schedule(const SparseSinkAttentionParams& p) {
@@ -1788,8 +1808,7 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
   const cudaError_t err = use_persistent(p, &persistent);
   if (err != cudaSuccess) return err;
   if (persistent == Persistent::kLockstep) return launch_persistent<false>(p, stream);
-  if (persistent == Persistent::kWarpSpecialised)
-    return launch_persistent_grid<sparse_sink_attention_wgmma_ws_persistent_kernel, kWsThreads>(p, stream);
+  if (persistent == Persistent::kWarpSpecialised) return launch_ws_persistent<true>(p, stream);
   return run_schedule(p, dispatched_schedule(p), stream);
 }
 
@@ -1811,7 +1830,7 @@ cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& 
 
 cudaError_t run_sparse_sink_attention_wgmma_ws_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {
   if (!ws_persistent_applies(p)) return run_sparse_sink_attention_wgmma(p, stream);
-  return launch_persistent_grid<sparse_sink_attention_wgmma_ws_persistent_kernel, kWsThreads>(p, stream);
+  return (p.main_fp8 || p.extra_fp8) ? launch_ws_persistent<true>(p, stream) : launch_ws_persistent<false>(p, stream);
 }
 
 cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream) {

@@ -5,7 +5,8 @@
 //   kernel_driver ... --wgmma  the same with the wgmma kernel (run_sparse_sink_attention_wgmma)
 //   kernel_driver ... --wgmma-lockstep / --wgmma-ws  one wgmma schedule forced (FP8 pools too)
 //   kernel_driver ... --wgmma-persistent  one-split launches on persistent lockstep CTAs (candidate)
-//   kernel_driver ... --wgmma-ws-persistent  FP8 one-split launches on persistent warp-specialised CTAs
+//   kernel_driver ... --wgmma-ws-persistent  one-split launches on persistent warp-specialised CTAs
+//                            (dispatched for FP8 pools; for bf16 pools an experiment)
 //   kernel_driver ... --wgmma-cluster / --wgmma-combine  the dispatched wgmma schedule with split
 //                            partials merged in a cluster (whenever 2..8 splits) / by the combine
 //                            launch; --wgmma lets use_cluster_merge choose
@@ -749,7 +750,7 @@ int main(int argc, char** argv) {
                                          : run_attn == jds::run_sparse_sink_attention_wgmma       ? "wgmma"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_ws    ? "wgmma ws"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_persistent ? "wgmma persistent (one split)"
-                                         : run_attn == jds::run_sparse_sink_attention_wgmma_ws_persistent ? "wgmma persistent warp-specialised (FP8, one split)"
+                                         : run_attn == jds::run_sparse_sink_attention_wgmma_ws_persistent ? "wgmma persistent warp-specialised (one split)"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_cluster ? "wgmma, split partials merged in a cluster"
                                          : run_attn == jds::run_sparse_sink_attention_wgmma_combine ? "wgmma, split partials through the combine launch"
                                          : run_attn == probe_gather1 ? "probe: lockstep gather alone, 1 tile in flight"
