@@ -39,6 +39,11 @@
 #                   --late-start CYCLES, $TIMELINE_DRIVER's build: 0, 6000, 12000, 24000 cycles), the
 #                   DSpark blocks under --wgmma and --wgmma-persistent, twice: whether loads spread
 #                   over time make the items shorter (docs/kernels.md Next steps 1a)
+#   ws-persistent   the persistent warp-specialised CTAs (dispatched for FP8 pools since 2026-12-07;
+#                   bf16 pools only under the flag, not yet run): kernel_driver --wgmma-ws-persistent
+#                   edge cases, memcheck, racecheck, then the DSpark blocks under --wgmma (bf16:
+#                   persistent lockstep) and --wgmma-ws-persistent (bf16: persistent warp-specialised)
+#                   alternating twice
 #   ncu             Nsight Compute (--set full, clocks left alone) of the fourth launch of kernel
 #                   $NCU_KERNEL (a regex, default wgmma_ws_kernel) in `$NCU_DRIVER --wgmma --rope bench
 #                   "$NCU_CASE"` (defaults: .dev/build_li/kernel_driver, a build configured with
@@ -117,6 +122,16 @@ for step in "$@"; do
         done
       done ;;
     timeline) run 120 "$TIMELINE_DRIVER" --wgmma --rope --timeline bench ;;
+    ws-persistent)
+      run 60 "$DRIVER" --wgmma-ws-persistent
+      [ "$last" -ne 0 ] && echo "== ws-persistent: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-ws-persistent
+      run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-ws-persistent
+      for i in 1 2; do
+        for schedule in --wgmma --wgmma-ws-persistent; do
+          run 60 "$DRIVER" "$schedule" --rope bench DSpark
+        done
+      done ;;
     late-start)
       for i in 1 2; do
         for n in 0 6000 12000 24000; do
