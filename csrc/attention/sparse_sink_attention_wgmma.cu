@@ -1794,7 +1794,8 @@ cudaError_t use_persistent(const SparseSinkAttentionParams& p, Persistent* use) 
   if (p.num_splits != 1 || p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
   const bool fp8 = p.main_fp8 || p.extra_fp8;
   const Schedule schedule = dispatched_schedule(p);
-  if (fp8 ? schedule != Schedule::kWarpSpecialised || !ws_persistent_applies(p) : schedule != Schedule::kLockstep)
+  // (FP8 pools take the warp-specialised schedule from 3 tiles, so ws_persistent_applies holds.)
+  if (schedule != (fp8 ? Schedule::kWarpSpecialised : Schedule::kLockstep))
     return cudaSuccess;
   int n_sms = 0;
   const cudaError_t err = device_sm_count(&n_sms);
