@@ -78,10 +78,17 @@ def test_samples_go_to_lines_chains_and_roles(tmp_path):
     assert stalls == ["stall_long_sb", "stall_barrier"]
     insts = ncu.read_disassembly(DISASSEMBLY, "6kernel")
     out = ncu.summarise(insts, samples, stalls, SOURCES, producer=("k.cu", 5, 6))
-    assert out["line"] == {"k.cu:2": 10, "h.cuh:3": 30}
-    assert out["reasons h.cuh:3"]["barrier"] == 25 and out["reasons k.cu:2"]["long_sb"] == 9
-    assert out["chain"] == {"k.cu:load_row < k.cu:kernel": 10, "h.cuh:mma_step < k.cu:kernel": 30}
-    assert out["role"] == {"producer": 10, "other": 30}
+    assert out.line == {"k.cu:2": 10, "h.cuh:3": 30}
+    assert out.reasons["h.cuh:3"]["barrier"] == 25 and out.reasons["k.cu:2"]["long_sb"] == 9
+    assert set(out.reasons) == {"k.cu:2", "h.cuh:3"}
+    assert out.chain == {"k.cu:load_row < k.cu:kernel": 10, "h.cuh:mma_step < k.cu:kernel": 30}
+    assert out.role == {"producer": 10, "other": 30}
+
+
+def test_without_a_producer_range_no_role_is_counted(tmp_path):
+    stalls, samples = ncu.read_samples(_csv(tmp_path, [(10, 9, 0), (5, 0, 1), (25, 0, 24)]))
+    out = ncu.summarise(ncu.read_disassembly(DISASSEMBLY, "6kernel"), samples, stalls, SOURCES)
+    assert not out.role and sum(out.line.values()) == 40
 
 
 def test_a_page_of_another_binary_is_refused(tmp_path):

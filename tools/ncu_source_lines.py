@@ -118,16 +118,28 @@ def enclosing_function(starts: list[tuple[int, str]], line: int) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class Summary:
+    """Sample totals by innermost line (`file:line`), by chain of enclosing functions
+    (innermost first), by role ("producer" / "other", empty without a producer range), and
+    each innermost line's samples by stall reason (`stall_` prefix dropped)."""
+
+    line: collections.Counter
+    chain: collections.Counter
+    role: collections.Counter
+    reasons: dict[str, collections.Counter]
+
+
 def summarise(
     insts: list[Instruction],
     samples: list[dict[str, float]],
     stalls: list[str],
     sources: dict[str, list[str]],
     producer: tuple[str, int, int] | None = None,
-) -> dict[str, collections.Counter]:
-    """Sample totals by innermost line, by chain of enclosing functions, by role, and the stall
-    reasons of each innermost line. `sources`: file basename -> its lines (for function names);
-    `producer`: (file basename, first line, last line) of the kernel's producer branch."""
+) -> Summary:
+    """Join the disassembly's instructions with ncu's samples, one to one and in order.
+    `sources`: file basename -> its lines (for function names); `producer`: (file basename,
+    first line, last line) of the kernel's producer branch."""
     if len(insts) != len(samples):
         raise ValueError(f"{len(insts)} instructions in the disassembly, {len(samples)} in the ncu page")
     by_line: collections.Counter = collections.Counter()
@@ -156,7 +168,7 @@ def summarise(
             positions += [(Path(f.at_file).name, f.at_line) for f in inst.frames if f.at_file]
             inside = any(b == pfile and lo <= ln <= hi for b, ln in positions)
             by_role["producer" if inside else "other"] += n
-    return {"line": by_line, "chain": by_chain, "role": by_role, **{f"reasons {k}": v for k, v in reasons.items()}}
+    return Summary(by_line, by_chain, by_role, dict(reasons))
 
 
 def main() -> None:
@@ -181,13 +193,13 @@ def main() -> None:
     total = sum(s[SAMPLES] for s in samples) or 1.0
     print(f"{len(insts)} instructions, {total:.0f} samples")
     print("\n-- by innermost source line (top stall reasons, % of all samples)")
-    for key, n in out["line"].most_common(args.top):
-        top = ", ".join(f"{r} {100 * c / total:.1f}" for r, c in out.get(f"reasons {key}", collections.Counter()).most_common(3))
+    for key, n in out.line.most_common(args.top):
+        top = ", ".join(f"{r} {100 * c / total:.1f}" for r, c in out.reasons.get(key, collections.Counter()).most_common(3))
         print(f"{100 * n / total:5.1f}%  {key:40s} {top}")
     print("\n-- by chain of enclosing functions (innermost first)")
-    for key, n in out["chain"].most_common(args.top):
+    for key, n in out.chain.most_common(args.top):
         print(f"{100 * n / total:5.1f}%  {key[:160]}")
-    for role, n in out["role"].most_common():
+    for role, n in out.role.most_common():
         print(f"{role}: {100 * n / total:.1f}% of samples")
 
 
