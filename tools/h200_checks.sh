@@ -44,6 +44,12 @@
 #                   edge cases, memcheck, racecheck, then the DSpark blocks under --wgmma (bf16:
 #                   persistent lockstep) and --wgmma-ws-persistent (bf16: persistent warp-specialised)
 #                   alternating twice
+#   partial-first   the persistent warp-specialised kernel taking an item's partial last tile first
+#                   (written 2026-12-07, not yet run; $PF_DRIVER, default .dev/build_pf/kernel_driver, a
+#                   build configured with -DJAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST=ON): its edge cases
+#                   under --wgmma-ws-persistent and --wgmma, memcheck, then `--rope bench DSpark` under
+#                   --wgmma-ws-persistent with $DRIVER and $PF_DRIVER alternating twice (the FP8 blocks
+#                   are the experiment; bf16 rows take that kernel's bf16 instantiation there)
 #   ncu             Nsight Compute (--set full, clocks left alone) of the fourth launch of kernel
 #                   $NCU_KERNEL (a regex, default wgmma_ws_kernel) in `$NCU_DRIVER --wgmma --rope bench
 #                   "$NCU_CASE"` (defaults: .dev/build_li/kernel_driver, a build configured with
@@ -130,6 +136,17 @@ for step in "$@"; do
       for i in 1 2; do
         for schedule in --wgmma --wgmma-ws-persistent; do
           run 60 "$DRIVER" "$schedule" --rope bench DSpark
+        done
+      done ;;
+    partial-first)
+      PF_DRIVER=${PF_DRIVER:-.dev/build_pf/kernel_driver}
+      run 60 "$PF_DRIVER" --wgmma-ws-persistent
+      [ "$last" -ne 0 ] && echo "== partial-first: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
+      run 60 "$PF_DRIVER" --wgmma
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$PF_DRIVER" --wgmma-ws-persistent
+      for i in 1 2; do
+        for d in "$DRIVER" "$PF_DRIVER"; do
+          run 60 "$d" --wgmma-ws-persistent --rope bench DSpark
         done
       done ;;
     late-start)

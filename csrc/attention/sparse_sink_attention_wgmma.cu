@@ -1328,7 +1328,32 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
 // back exactly once and each refill waits for that, so neither side can arrive twice on a
 // barrier before the other has passed it. A Q fill has no full barrier of its own: the
 // producers announce it with the item's tile 0. At the end the producers wait for the last
-// hand-backs, so no barrier is left half arrived.
+// hand-backs, so no barrier is left half arrived. ("Tile t" above is the t-th an item takes;
+// which tile of the list that is: pws_item_tile, the identity unless the experiment below.)
+
+// Experiment (kernel_driver builds configured with -DJAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST=ON;
+// never in the library; written 2026-12-07, not yet run): an item whose list ends in a partial
+// tile takes that tile first. The next item's Q goes into the region of the item's
+// second-to-last tile once that tile is handed back, so with a partial last tile (the DSpark
+// blocks: 64 + 64 + 5 rows) its load has only the short tile and the epilogue to land under,
+// when every SM loads its Q and stores its output at once; taken first, the short tile leaves
+// a full tile and the epilogue. The FP8 producers hold the next tile's rows in registers, so
+// the full tile that now follows the short one waits only for its region.
+// Which tile of its item (n tiles, list of key_end rows) comes at place t (< n) of the item.
+__device__ __forceinline__ int pws_item_tile(int t, [[maybe_unused]] int n, [[maybe_unused]] int key_end) {
+#ifdef JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST
+  if (key_end % BK != 0) return t == 0 ? n - 1 : t - 1;
+#endif
+  return t;
+}
+#ifdef JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST
+// The same for place k of the CTA's whole sequence (item k / n), in one modulo: the producers'
+// 112 registers had none to spare for pws_item_tile(k % n, ...) (20 bytes of spills). Without
+// the experiment the producers keep their `k % n` as written (even this function returning it
+// changed their register allocation).
+__device__ __forceinline__ int pws_sequence_tile(int k, int n, int key_end) { return (k + n - (key_end % BK != 0)) % n; }
+#endif
+
 constexpr int kPwsFullBar = 10;   // + region
 constexpr int kPwsEmptyBar = 13;  // + region
 static_assert(kEpilogueBar < kPwsFullBar && kPwsEmptyBar + 2 < 16, "named barrier ids");
@@ -1362,12 +1387,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // the two rows of registers, they spilled.
     auto row0 = [] { return (opaque(threadIdx.x) - kThreads) >> 2; };
     auto phase = [] { return opaque(threadIdx.x) & 3; };
-    auto in_main = [&](int k, int r0, int r) { return (k % n) * BK + r0 + 32 * r < p.k_main; };
+#ifdef JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST
+    auto tile_of = [&](int k) { return pws_sequence_tile(k, n, key_end); };
+#else
+    auto tile_of = [&](int k) { return k % n; };
+#endif
+    auto in_main = [&](int k, int r0, int r) { return tile_of(k) * BK + r0 + 32 * r < p.k_main; };
     auto load_indices = [&](int k) {  // raw: checked by load_fp8_producer_row a tile later
       const int64_t bs = item_of(k / n).bs;
       const int r0 = row0();
 #pragma unroll
-      for (int r = 0; r < 2; ++r) idx[r] = k < total ? row_index(p, k % n, 0, key_end, bs, r0 + 32 * r) : -1;
+      for (int r = 0; r < 2; ++r) idx[r] = k < total ? row_index(p, tile_of(k), 0, key_end, bs, r0 + 32 * r) : -1;
     };
     auto load_rows = [&](int k) {
       const int r0 = row0(), ph = phase();
@@ -1463,7 +1493,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       named_barrier_sync(kPwsFullBar + r, kWsThreads);  // tile t (with tile 0, the item's Q) landed
       if (t == 0) timeline_mark(kTlFirstTile, n);
       consume_rows_at<kSOverHalfD<kFp8, true>>(o, m_run, l_run, smem, q_base, smem_addr(region_of(smem, r)),
-                                               region_valid(smem, r), min(BK, key_end - t * BK), sl2, tid, wg);
+                                               region_valid(smem, r), min(BK, key_end - pws_item_tile(t, n, key_end) * BK),
+                                               sl2, tid, wg);
       named_barrier_arrive(kPwsEmptyBar + r, kWsThreads);  // its wgmmas have completed
     }
     timeline_mark(kTlLastTile, n);
