@@ -108,11 +108,5 @@ if(JAX_DSPARK_BUILD_DRIVER)
   if(JAX_DSPARK_ATTENTION_TIMELINE)
     target_compile_definitions(kernel_driver PRIVATE JAX_DSPARK_ATTENTION_TIMELINE)
   endif()
-  # the persistent warp-specialised kernel takes a partial last tile first (pws_tile_at): an
-  # experiment, timed against the default driver
-  option(JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST "kernel_driver: partial tiles first (persistent warp-specialised)" OFF)
-  if(JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST)
-    target_compile_definitions(kernel_driver PRIVATE JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST)
-  endif()
   target_link_libraries(kernel_driver PRIVATE CUDA::cudart_static)
 endif()

@@ -186,9 +186,10 @@ def _work_items(b, s, h, k_total):
     ids=["short-lists", "split-k", "partial-head-block-one-short-tile"],
 )
 def test_more_work_items_than_sms_match(b, s, h, k, k2):
-    # More (request, row, head block, split) items than SMs on short lists: several waves of
-    # CTAs (the DSpark blocks' regime), with split-K partials, a half-empty second head
-    # block, masked rows, both pools, sink and inverse RoPE.
+    # More (request, row, head block, split) items than SMs on short lists: persistent
+    # warp-specialised CTAs for the one-split shapes (the DSpark blocks' regime), several
+    # waves of plain CTAs with split-K partials, a half-empty second head block, masked rows,
+    # both pools, sink and inverse RoPE.
     assert _work_items(b, s, h, k + k2) > _ffi.num_sms(), "the shape no longer has more work items than SMs"
     args, rng = make_case(60 + b, b=b, s=s, h=h, k=k, n=400, k2=k2, n2=50, drop=0.25)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
@@ -209,7 +210,8 @@ def test_empty_lists_give_zeros_and_minus_inf_lse():
 
 def test_empty_lists_over_more_work_items_than_sms_give_zeros():
     # One-split bf16 launches of more work items than SMs run on persistent CTAs that walk
-    # several items each (use_persistent in the .cu); with empty lists every item has no tile.
+    # several items each (use_persistent in the .cu); with empty lists every item has no tile,
+    # and the persistent lockstep kernel takes them.
     b, s = 70, 2
     assert _work_items(b, s, 64, 0) > _ffi.num_sms(), "the shape no longer has more work items than SMs"
     args, rng = make_case(31, b=b, s=s, h=64, k=0, n=10)
@@ -510,8 +512,14 @@ def test_fp8_more_work_items_than_sms_match(b, s, h, k, k2):
     # One split of 3 or 4 tiles over more work items than SMs: persistent warp-specialised
     # CTAs (use_persistent in the .cu), each walking items whose regions rotate differently
     # for odd and even tile counts; the second shape has a half-empty second head block.
+    # The dequantised bf16 pool takes the same kernel's bf16 instantiation, which sums S over
+    # all of D where the FP8 one sums each half (kSOverHalfD), so the two outputs differ by the
+    # bf16 roundings of P and of the output that the last bit of S flips: 4.4e-5 for the first
+    # shape in a float64 emulation of the two orders (docs/kernels.md, "The bf16 persistent
+    # warp-specialised kernel run and dispatched"), over the 1e-5 of identical arithmetic.
     assert _work_items(b, s, h, k + k2) > _ffi.num_sms(), "the shape no longer has more work items than SMs"
     assert _kernels.choose_splits(b, s, h, k + k2, _ffi.num_sms()) == 1, "the shape no longer takes one split"
     args, rng = fp8_case(27, extra_fp8=True, b=b, s=s, h=h, k=k, n=400, k2=k2, n2=50, drop=0.25)
     rope = jnp.asarray(rng.standard_normal((b, s, 32, 2)), jnp.float32)
-    check_fp8(args, sink=jnp.asarray(rng.standard_normal(h), jnp.float32), scale=512**-0.5, inverse_rope=rope)
+    check_fp8(args, same_tol=5e-4, sink=jnp.asarray(rng.standard_normal(h), jnp.float32), scale=512**-0.5,
+              inverse_rope=rope)

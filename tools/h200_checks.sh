@@ -31,25 +31,19 @@
 #                   -DJAX_DSPARK_ATTENTION_TIMELINE=ON): one JSON line a case (docs/kernels.md,
 #                   "Per-CTA timelines")
 #   persistent      the persistent lockstep CTAs (dispatched for one-split bf16 launches of more
-#                   items than SMs since 2026-12-07): kernel_driver --wgmma-persistent edge cases,
-#                   memcheck, racecheck, then the DSpark blocks under --wgmma-lockstep (the kernel
-#                   before), --wgmma (bf16 persistent, FP8 warp-specialised) and
-#                   --wgmma-persistent (FP8 too), alternating twice
+#                   items than SMs from the morning to the evening of 2026-12-07, now for their
+#                   empty lists only): kernel_driver --wgmma-persistent edge cases, memcheck,
+#                   racecheck, then the DSpark blocks under --wgmma-lockstep, --wgmma (both pool
+#                   kinds persistent warp-specialised) and --wgmma-persistent, alternating twice
 #   late-start      the persistent kernel with its CTAs of one item fewer starting late (kernel_driver
 #                   --late-start CYCLES, $TIMELINE_DRIVER's build: 0, 6000, 12000, 24000 cycles), the
 #                   DSpark blocks under --wgmma and --wgmma-persistent, twice: whether loads spread
 #                   over time make the items shorter (docs/kernels.md Next steps 1a)
-#   ws-persistent   the persistent warp-specialised CTAs (dispatched for FP8 pools since 2026-12-07;
-#                   bf16 pools only under the flag, not yet run): kernel_driver --wgmma-ws-persistent
-#                   edge cases, memcheck, racecheck, then the DSpark blocks under --wgmma (bf16:
-#                   persistent lockstep) and --wgmma-ws-persistent (bf16: persistent warp-specialised)
-#                   alternating twice
-#   partial-first   the persistent warp-specialised kernel taking an item's partial last tile first
-#                   (written 2026-12-07, not yet run; $PF_DRIVER, default .dev/build_pf/kernel_driver, a
-#                   build configured with -DJAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST=ON): its edge cases
-#                   under --wgmma-ws-persistent and --wgmma, memcheck, then `--rope bench DSpark` under
-#                   --wgmma-ws-persistent with $DRIVER and $PF_DRIVER alternating twice (the FP8 blocks
-#                   are the experiment; bf16 rows take that kernel's bf16 instantiation there)
+#   ws-persistent   the persistent warp-specialised CTAs (dispatched for one-split launches of more
+#                   items than SMs, FP8 pools and bf16 lists of a tile or more, since 2026-12-07):
+#                   kernel_driver --wgmma-ws-persistent edge cases, memcheck, racecheck, then the
+#                   DSpark blocks under --wgmma-persistent (the lockstep persistent kernel) and
+#                   --wgmma (dispatched) alternating twice
 #   ncu             Nsight Compute (--set full, clocks left alone) of the fourth launch of kernel
 #                   $NCU_KERNEL (a regex, default wgmma_ws_kernel) in `$NCU_DRIVER --wgmma --rope bench
 #                   "$NCU_CASE"` (defaults: .dev/build_li/kernel_driver, a build configured with
@@ -134,19 +128,8 @@ for step in "$@"; do
       run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER" --wgmma-ws-persistent
       run 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" --wgmma-ws-persistent
       for i in 1 2; do
-        for schedule in --wgmma --wgmma-ws-persistent; do
+        for schedule in --wgmma-persistent --wgmma; do
           run 60 "$DRIVER" "$schedule" --rope bench DSpark
-        done
-      done ;;
-    partial-first)
-      PF_DRIVER=${PF_DRIVER:-.dev/build_pf/kernel_driver}
-      run 60 "$PF_DRIVER" --wgmma-ws-persistent
-      [ "$last" -ne 0 ] && echo "== partial-first: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
-      run 60 "$PF_DRIVER" --wgmma
-      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$PF_DRIVER" --wgmma-ws-persistent
-      for i in 1 2; do
-        for d in "$DRIVER" "$PF_DRIVER"; do
-          run 60 "$d" --wgmma-ws-persistent --rope bench DSpark
         done
       done ;;
     late-start)

@@ -72,8 +72,10 @@ cudaError_t run_sparse_sink_attention(const SparseSinkAttentionParams& p, cudaSt
 // Two schedules: lockstep (every warp gathers, then computes) and, over long lists (FP8
 // pools; bf16 pools of more than one head block), warp-specialised (a gathering, and for FP8
 // expanding, warpgroup beside the two computing ones); use_warp_specialised in the .cu says
-// why. One-split launches of more work items than SMs take persistent CTAs: lockstep ones
-// for bf16 pools, warp-specialised ones for FP8 pools (use_persistent).
+// why. One-split launches of more work items than SMs that either schedule's plain kernel
+// would take with one tile a list or more (the lockstep one for bf16 pools, the
+// warp-specialised one for FP8 pools) take persistent warp-specialised CTAs instead; bf16
+// launches of empty lists persistent lockstep ones (use_persistent).
 cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, cudaStream_t stream);
 
 // One schedule forced for every launch: kernel_driver --wgmma-lockstep / --wgmma-ws, to
@@ -82,14 +84,13 @@ cudaError_t run_sparse_sink_attention_wgmma_lockstep(const SparseSinkAttentionPa
 cudaError_t run_sparse_sink_attention_wgmma_ws(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // One-split launches on min(items, SMs) persistent lockstep CTAs that load the next work
 // item's Q and first tile while finishing the current one, for either pool kind (the
-// dispatch above takes them for bf16 pools; FP8 pools take the next ones);
+// dispatch above takes them for bf16 pools' empty lists only);
 // launches of several splits as dispatched. kernel_driver --wgmma-persistent.
 cudaError_t run_sparse_sink_attention_wgmma_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // One-split launches (of at least one tile) on min(items, SMs) persistent warp-specialised
 // CTAs, whose producers load the next work item's Q and first tile while the consumers
-// finish the current one (the dispatch above takes them for FP8 pools with more items than
-// SMs; bf16 pools only here, an experiment not yet run on a GPU); other launches as
-// dispatched. kernel_driver --wgmma-ws-persistent.
+// finish the current one (the dispatch above takes them for both pool kinds with more items
+// than SMs); other launches as dispatched. kernel_driver --wgmma-ws-persistent.
 cudaError_t run_sparse_sink_attention_wgmma_ws_persistent(const SparseSinkAttentionParams& p, cudaStream_t stream);
 // How split partials are merged, forced (schedule as dispatched): in a thread-block cluster
 // through distributed shared memory whenever 2 <= num_splits <= 8 (`_cluster`), or through

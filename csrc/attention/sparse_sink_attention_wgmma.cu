@@ -1328,39 +1328,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) sparse_sink_attention_wgmma_ws_
 // back exactly once and each refill waits for that, so neither side can arrive twice on a
 // barrier before the other has passed it. A Q fill has no full barrier of its own: the
 // producers announce it with the item's tile 0. At the end the producers wait for the last
-// hand-backs, so no barrier is left half arrived. ("Tile t" above is the t-th an item takes;
-// which tile of the list that is: pws_item_tile, the identity unless the experiment below.)
-
-// Experiment (kernel_driver builds configured with -DJAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST=ON;
-// never in the library; written 2026-12-07, not yet run): an item whose list ends in a partial
-// tile takes that tile first. The next item's Q goes into the region of the item's
-// second-to-last tile once that tile is handed back, so with a partial last tile (the DSpark
-// blocks: 64 + 64 + 5 rows) its load has only the short tile and the epilogue to land under,
-// when every SM loads its Q and stores its output at once; taken first, the short tile leaves
-// a full tile and the epilogue. The FP8 producers hold the next tile's rows in registers, so
-// the full tile that now follows the short one waits only for its region.
-// Which tile of its item (n tiles, list of key_end rows) comes at place t (< n) of the item.
-__device__ __forceinline__ int pws_item_tile(int t, [[maybe_unused]] int n, [[maybe_unused]] int key_end) {
-#ifdef JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST
-  if (key_end % BK != 0) return t == 0 ? n - 1 : t - 1;
-#endif
-  return t;
-}
-#ifdef JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST
-// The same for place k of the CTA's whole sequence (item k / n), in one modulo: the producers'
-// 112 registers had none to spare for pws_item_tile(k % n, ...) (20 bytes of spills). Without
-// the experiment the producers keep their `k % n` as written (even this function returning it
-// changed their register allocation).
-__device__ __forceinline__ int pws_sequence_tile(int k, int n, int key_end) { return (k + n - (key_end % BK != 0)) % n; }
-#endif
-
+// hand-backs, so no barrier is left half arrived.
 constexpr int kPwsFullBar = 10;   // + region
 constexpr int kPwsEmptyBar = 13;  // + region
 static_assert(kEpilogueBar < kPwsFullBar && kPwsEmptyBar + 2 < 16, "named barrier ids");
-// bf16 pools (kernel_driver --wgmma-ws-persistent only; compiled without spills, not yet run on
-// a GPU): no row fits a producer's registers, so a tile's rows are copied (cp.async) once its
-// region is handed back, as in the plain warp-specialised kernel; the producers need more
-// registers than its 40 for the item loop, and the consumers (full-D S) get 216.
+// bf16 pools (dispatched since 2026-12-07, use_persistent): no row fits a producer's registers,
+// so a tile's rows are copied (cp.async) once its region is handed back, as in the plain
+// warp-specialised kernel; the producers need more registers than its 40 for the item loop,
+// and the consumers (full-D S) get 216.
 template <bool kFp8> constexpr int kPwsProducerRegs = kFp8 ? kProducerRegs<true> : 64;
 template <bool kFp8> constexpr int kPwsConsumerRegs = kFp8 ? kConsumerRegs<true> : 216;
 static_assert(128 * kPwsProducerRegs<false> + kThreads * kPwsConsumerRegs<false> <= kWsThreads * kLaunchRegs,
@@ -1387,17 +1362,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // the two rows of registers, they spilled.
     auto row0 = [] { return (opaque(threadIdx.x) - kThreads) >> 2; };
     auto phase = [] { return opaque(threadIdx.x) & 3; };
-#ifdef JAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST
-    auto tile_of = [&](int k) { return pws_sequence_tile(k, n, key_end); };
-#else
-    auto tile_of = [&](int k) { return k % n; };
-#endif
-    auto in_main = [&](int k, int r0, int r) { return tile_of(k) * BK + r0 + 32 * r < p.k_main; };
+    auto in_main = [&](int k, int r0, int r) { return (k % n) * BK + r0 + 32 * r < p.k_main; };
     auto load_indices = [&](int k) {  // raw: checked by load_fp8_producer_row a tile later
       const int64_t bs = item_of(k / n).bs;
       const int r0 = row0();
 #pragma unroll
-      for (int r = 0; r < 2; ++r) idx[r] = k < total ? row_index(p, tile_of(k), 0, key_end, bs, r0 + 32 * r) : -1;
+      for (int r = 0; r < 2; ++r) idx[r] = k < total ? row_index(p, k % n, 0, key_end, bs, r0 + 32 * r) : -1;
     };
     auto load_rows = [&](int k) {
       const int r0 = row0(), ph = phase();
@@ -1493,8 +1463,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       named_barrier_sync(kPwsFullBar + r, kWsThreads);  // tile t (with tile 0, the item's Q) landed
       if (t == 0) timeline_mark(kTlFirstTile, n);
       consume_rows_at<kSOverHalfD<kFp8, true>>(o, m_run, l_run, smem, q_base, smem_addr(region_of(smem, r)),
-                                               region_valid(smem, r), min(BK, key_end - pws_item_tile(t, n, key_end) * BK),
-                                               sl2, tid, wg);
+                                               region_valid(smem, r), min(BK, key_end - t * BK), sl2, tid, wg);
       named_barrier_arrive(kPwsEmptyBar + r, kWsThreads);  // its wgmmas have completed
     }
     timeline_mark(kTlLastTile, n);
@@ -1810,28 +1779,29 @@ cudaError_t set_persistent_late_start(long long cycles) {
 #endif
 
 // Which persistent kernel a launch takes: one split and more work items than SMs (with
-// fewer, each CTA has one item and the kernel is the plain one), then the persistent
-// counterpart of the dispatched schedule: lockstep CTAs for bf16 pools, warp-specialised
-// ones for FP8 pools (lists of 3 tiles or more: use_warp_specialised). H100, 2026-12-07, CUDA
-// events against the kernels dispatched before: DSpark block bf16 (320 items, 2.4 an SM)
-// 52.1 -> 48.2 us, V4-Pro DSpark block bf16 (1280) 164.7 -> 142.1 (docs/kernels.md,
-// "Persistent lockstep CTAs that prefetch the next item"); the FP8 blocks lost on the
-// persistent lockstep kernel (52.8 -> 55.7, 164.1 -> 174.0) to their warp-specialised one,
-// which the persistent warp-specialised kernel keeps (docs/kernels.md, "Persistent
-// warp-specialised CTAs").
+// fewer, each CTA has one item and the kernel is the plain one), for the launches the
+// lockstep schedule takes with bf16 pools and the warp-specialised one with FP8 pools (lists of
+// 3 tiles or more: use_warp_specialised): persistent warp-specialised CTAs where the list has
+// a tile (ws_persistent_applies), persistent lockstep CTAs for empty bf16 lists. H100,
+// 2026-12-07, CUDA events: the persistent lockstep kernel against the plain ones, DSpark block
+// bf16 (320 items, 2.4 an SM) 52.1 -> 48.2 us, V4-Pro DSpark block bf16 (1280) 164.7 -> 142.1
+// (docs/kernels.md, "Persistent lockstep CTAs that prefetch the next item"); the persistent
+// warp-specialised kernel against it (bf16, two alternations): 47.8, 47.5 -> 43.1, 42.8 and
+// 141.2, 140.5 -> 120.6, 120.4 (docs/kernels.md, "The bf16 persistent warp-specialised kernel
+// run and dispatched"), and against the plain warp-specialised kernel for FP8: 52.1 -> 45.4,
+// 161.0 -> 130.1 (docs/kernels.md, "Persistent warp-specialised CTAs").
 enum class Persistent { kNone, kLockstep, kWarpSpecialised };
 cudaError_t use_persistent(const SparseSinkAttentionParams& p, Persistent* use) {
   *use = Persistent::kNone;
   if (p.num_splits != 1 || p.batch == 0 || p.seq == 0 || p.heads == 0) return cudaSuccess;
   const bool fp8 = p.main_fp8 || p.extra_fp8;
   const Schedule schedule = dispatched_schedule(p);
-  // (FP8 pools take the warp-specialised schedule from 3 tiles, so ws_persistent_applies holds.)
   if (schedule != (fp8 ? Schedule::kWarpSpecialised : Schedule::kLockstep))
     return cudaSuccess;
   int n_sms = 0;
   const cudaError_t err = device_sm_count(&n_sms);
   if (err == cudaSuccess && int64_t((p.heads + BM - 1) / BM) * p.seq * p.batch > n_sms)
-    *use = fp8 ? Persistent::kWarpSpecialised : Persistent::kLockstep;
+    *use = ws_persistent_applies(p) ? Persistent::kWarpSpecialised : Persistent::kLockstep;
   return err;
 }
 
@@ -1840,7 +1810,8 @@ cudaError_t run_sparse_sink_attention_wgmma(const SparseSinkAttentionParams& p, 
   const cudaError_t err = use_persistent(p, &persistent);
   if (err != cudaSuccess) return err;
   if (persistent == Persistent::kLockstep) return launch_persistent<false>(p, stream);
-  if (persistent == Persistent::kWarpSpecialised) return launch_ws_persistent<true>(p, stream);
+  if (persistent == Persistent::kWarpSpecialised)
+    return (p.main_fp8 || p.extra_fp8) ? launch_ws_persistent<true>(p, stream) : launch_ws_persistent<false>(p, stream);
   return run_schedule(p, dispatched_schedule(p), stream);
 }
 

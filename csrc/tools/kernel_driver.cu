@@ -26,9 +26,6 @@
 //                            (set_attention_timeline), summarised as a second JSON line
 //   kernel_driver ... --late-start CYCLES  (timeline builds) the persistent kernel's CTAs with
 //                            one work item fewer spin CYCLES before their first (an experiment)
-//   (builds configured with -DJAX_DSPARK_ATTENTION_PARTIAL_TILE_FIRST=ON: the persistent
-//   warp-specialised kernel takes an item's partial last tile first, an experiment;
-//   tools/h200_checks.sh partial-first)
 // Built by hand (docs/kernels.md), not part of the installed library.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
