@@ -44,6 +44,12 @@
 #                   kernel_driver --wgmma-ws-persistent edge cases, memcheck, racecheck, then the
 #                   DSpark blocks under --wgmma-persistent (the lockstep persistent kernel) and
 #                   --wgmma (dispatched) alternating twice
+#   epilogue        the persistent kernels' epilogue experiments (written 2026-12-07, not yet run;
+#                   docs/kernels.md "The H100 bench of d3be25c"): kernel_driver builds configured
+#                   with -DCMAKE_CUDA_FLAGS= -DJAX_DSPARK_ATTENTION_SPREAD_STORES (.dev/build_sp),
+#                   -DJAX_DSPARK_ATTENTION_ASYNC_CONSTANTS (.dev/build_ac) and both
+#                   (.dev/build_both): the last one's edge cases and memcheck under --wgmma, then
+#                   `--wgmma --rope bench DSpark` with $DRIVER and the three, alternating twice
 #   ncu             Nsight Compute (--set full, clocks left alone) of the fourth launch of kernel
 #                   $NCU_KERNEL (a regex, default wgmma_ws_kernel) in `$NCU_DRIVER --wgmma --rope bench
 #                   "$NCU_CASE"` (defaults: .dev/build_li/kernel_driver, a build configured with
@@ -155,6 +161,15 @@ for step in "$@"; do
         for i in 1 2; do
           run 150 "${OLD_DRIVER:?}" "$schedule" ${AB_FLAGS:-} bench ${AB_CASES:+"$AB_CASES"}
           run 150 "$DRIVER" "$schedule" ${AB_FLAGS:-} bench ${AB_CASES:+"$AB_CASES"}
+        done
+      done ;;
+    epilogue)
+      run 60 .dev/build_both/kernel_driver --wgmma
+      [ "$last" -ne 0 ] && echo "== epilogue: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 .dev/build_both/kernel_driver --wgmma
+      for i in 1 2; do
+        for d in "$DRIVER" .dev/build_sp/kernel_driver .dev/build_ac/kernel_driver .dev/build_both/kernel_driver; do
+          run 60 "$d" --wgmma --rope bench DSpark
         done
       done ;;
     ncu)

@@ -569,6 +569,24 @@ __device__ __forceinline__ RowStats row_stats(uint8_t* smem, const float (&m_run
 // the 256 compute threads take part (kEpilogueBar): the warp-specialised kernel's producers
 // have returned by then, their last copies landed before the last tile was announced.
 constexpr int kStageRowBf16 = D * 2 + 16;
+
+// Experiment (kernel_driver builds with -DJAX_DSPARK_ATTENTION_SPREAD_STORES; off in the
+// library): the 64 bulk copies of a whole-row epilogue issued by lanes 0..7 of every compute
+// warp instead of all lanes of the first two, in case a warp's bulk-copy instruction is issued
+// lane by lane and those two warps hold up the persistent kernels' next item (docs/kernels.md,
+// "The H100 bench of d3be25c"). spread_store_row: the row thread `tid` copies, or -1.
+#ifdef JAX_DSPARK_ATTENTION_SPREAD_STORES
+constexpr bool kSpreadStores = true;
+#else
+constexpr bool kSpreadStores = false;
+#endif
+__device__ __forceinline__ int spread_store_row(int tid) { return (tid & 31) < 8 ? ((tid >> 5) << 3) + (tid & 31) : -1; }
+// Whether thread `tid` issues one of those copies for the item at heads h0 .. (the persistent
+// kernels wait for its reads before they reuse the region).
+__device__ __forceinline__ bool spread_store_issued(int tid, int h0, int heads) {
+  const int sr = spread_store_row(tid);
+  return sr >= 0 && h0 + sr < heads;
+}
 constexpr int kStageRowF32 = D * 4 + 32;
 constexpr int kEpilogueBar = 9;  // named barrier of the compute threads; 1..8 are the swap, full and empty ones
 static_assert(D * 4 == 1 << 11, "finish_rows's f32 row shift");
@@ -745,12 +763,17 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
     timeline_mark(kTlStaged);
     named_barrier_sync(kEpilogueBar, kThreads);
     timeline_mark(kTlStoring);
-    if (tid < BM && h0 + tid < p.heads) {
-      bulk_copy_s2g(static_cast<uint8_t*>(p.out) + (bs * p.heads + h0 + tid) * (D * 2), staged_row(tid), D * 2);
+    auto store_row = [&](int lr) {
+      bulk_copy_s2g(static_cast<uint8_t*>(p.out) + (bs * p.heads + h0 + lr) * (D * 2), staged_row(lr), D * 2);
       if constexpr (kPersistent)
         bulk_commit();
       else
         bulk_commit_and_wait_read();
+    };
+    if constexpr (kSpreadStores) {
+      if (spread_store_issued(tid, h0, p.heads)) store_row(spread_store_row(tid));
+    } else if (tid < BM && h0 + tid < p.heads) {
+      store_row(tid);
     }
     return;
   }
@@ -805,6 +828,23 @@ __device__ __forceinline__ void load_epilogue_constants(const SparseSinkAttentio
   if (p.inv_rope != nullptr && tid < p.rope_dim / 2)
     reinterpret_cast<float2*>(smem + kOffCs)[tid] = inv_rope_row(p, bs)[tid];
 }
+
+#ifdef JAX_DSPARK_ATTENTION_ASYNC_CONSTANTS
+// Experiment (kernel_driver builds with -DJAX_DSPARK_ATTENTION_ASYNC_CONSTANTS): the same
+// constants by cp.async (the caller commits, and waits before finish_rows's first barrier),
+// so the persistent warp-specialised consumers do not wait for them at each item's start.
+__device__ __forceinline__ void issue_epilogue_constants(const SparseSinkAttentionParams& p, uint8_t* smem,
+                                                         int64_t bs, int h0, int tid) {
+  if (p.sink != nullptr && tid < BM) {
+    if (h0 + tid < p.heads)
+      cp_async_4(smem_addr(smem + kOffSink) + 4 * tid, p.sink + h0 + tid);
+    else
+      reinterpret_cast<float*>(smem + kOffSink)[tid] = 0.f;
+  }
+  if (p.inv_rope != nullptr && tid < p.rope_dim / 2)
+    cp_async_8(smem_addr(smem + kOffCs) + 8 * tid, inv_rope_row(p, bs) + tid);
+}
+#endif
 
 // This thread's share of the Q block (heads h0 .. h0 + 63 of query row bs) into `dst` in the
 // tile layout, by cp.async (the caller commits); absent heads as zeros (their rows of O are
@@ -1016,7 +1056,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     timeline_mark(kTlLastTile, ntiles);
     finish_rows<false, true>(p, smem, o, m_run, l_run, w.bs, w.h0, 0, tid, region_of(smem, rq), issue_next_tile0);
     timeline_mark(kTlEnd, ntiles);
-    bulk_pending = tid < BM && w.h0 + tid < p.heads;
+    bulk_pending = kSpreadStores ? spread_store_issued(tid, w.h0, p.heads) : tid < BM && w.h0 + tid < p.heads;
     if (!has_next) break;
     const int staged = rq;
     rq = y, ra = x, rb = staged;
@@ -1449,7 +1489,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int wg = warpgroup_of(tid);
     const AttnWorkItem w = item_of(j);
     timeline_mark(kTlStart, n);
+#ifdef JAX_DSPARK_ATTENTION_ASYNC_CONSTANTS
+    issue_epilogue_constants(p, smem, w.bs, w.h0, tid);
+    cp_async_commit();
+#else
     load_epilogue_constants(p, smem, w.bs, w.h0, tid);
+#endif
     if (j > 0) {  // rb held the previous item's Q, then its staged rows: hand it back once they are read
       if (bulk_pending) bulk_wait_read();
       named_barrier_arrive(kPwsEmptyBar + rb, kWsThreads);
@@ -1467,9 +1512,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       named_barrier_arrive(kPwsEmptyBar + r, kWsThreads);  // its wgmmas have completed
     }
     timeline_mark(kTlLastTile, n);
+#ifdef JAX_DSPARK_ATTENTION_ASYNC_CONSTANTS
+    cp_async_wait<0>();  // the constants (finish_rows's first barrier makes them visible)
+#endif
     finish_rows<false, true>(p, smem, o, m_run, l_run, w.bs, w.h0, 0, tid, region_of(smem, rq));
     timeline_mark(kTlEnd, n);
-    bulk_pending = tid < BM && w.h0 + tid < p.heads;
+    bulk_pending = kSpreadStores ? spread_store_issued(tid, w.h0, p.heads) : tid < BM && w.h0 + tid < p.heads;
     const int y = r == ra ? rb : ra;
     rb = rq;
     rq = y;
