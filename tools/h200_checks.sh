@@ -44,12 +44,16 @@
 #                   kernel_driver --wgmma-ws-persistent edge cases, memcheck, racecheck, then the
 #                   DSpark blocks under --wgmma-persistent (the lockstep persistent kernel) and
 #                   --wgmma (dispatched) alternating twice
-#   epilogue        the persistent kernels' epilogue experiments (written 2026-12-07, not yet run;
-#                   docs/kernels.md "The H100 bench of d3be25c"): kernel_driver builds configured
-#                   with -DCMAKE_CUDA_FLAGS= -DJAX_DSPARK_ATTENTION_SPREAD_STORES (.dev/build_sp),
-#                   -DJAX_DSPARK_ATTENTION_ASYNC_CONSTANTS (.dev/build_ac) and both
-#                   (.dev/build_both): the last one's edge cases and memcheck under --wgmma, then
-#                   `--wgmma --rope bench DSpark` with $DRIVER and the three, alternating twice
+#   epilogue        the epilogue experiments (written 2026-12-07 and -08, not yet run;
+#                   docs/kernels.md "The H100 bench of d3be25c" and "No machine lent"): kernel_driver
+#                   builds configured with -DCMAKE_CUDA_FLAGS= -DJAX_DSPARK_ATTENTION_SPREAD_STORES
+#                   (.dev/build_sp), -DJAX_DSPARK_ATTENTION_ASYNC_CONSTANTS (.dev/build_ac),
+#                   -DJAX_DSPARK_ATTENTION_ROPE_SPLIT_STAGING (.dev/build_rs) and all three
+#                   (.dev/build_all): the last one's edge cases and memcheck under --wgmma, then
+#                   `--wgmma --rope bench DSpark` with $DRIVER and the four, alternating twice,
+#                   their table (tools/ab_summary.py), and the DSpark timelines of $TIMELINE_DRIVER
+#                   and $TIMELINE_ALL_DRIVER (default .dev/build_tlall: a timeline build with all
+#                   three options) when those drivers are there
 #   ncu             Nsight Compute (--set full, clocks left alone) of the fourth launch of kernel
 #                   $NCU_KERNEL (a regex, default wgmma_ws_kernel) in `$NCU_DRIVER --wgmma --rope bench
 #                   "$NCU_CASE"` (defaults: .dev/build_li/kernel_driver, a build configured with
@@ -66,6 +70,9 @@
 #                   of grouped_probes, checked against a host reference and timed beside a copy
 #   bench-prep | bench-attention | bench-moe   jax-dspark bench <what> --out $OUT
 #   bench-prep-cb | bench-attention-cb         the same with --command-buffers
+#   h200:STEP       STEP only if the GPU is an H200, else logged as skipped: a call naming the
+#                   H200 may be given an H100, whose A/B steps still count but whose benchmark
+#                   JSON is not the one docs/benchmarks/attention.json must come from
 # Environment: BUILD (default .dev/build: libjax_dspark_ffi.so, kernel_driver, moe_driver), COMMIT (the
 # commit the build is of, recorded in the benchmark JSON), OUT (where logs and JSON go).
 set -uo pipefail
@@ -92,7 +99,15 @@ run() {  # run <seconds> <command...>: log it, keep the first failure's status
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv 2>&1 | tee -a "$LOG"
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 for step in "$@"; do
+  if [ "${step#h200:}" != "$step" ]; then
+    step=${step#h200:}
+    case $gpu_name in
+      *H200*) ;;
+      *) echo "== $step skipped: the GPU is ${gpu_name:-unknown}, not an H200" | tee -a "$LOG"; continue ;;
+    esac
+  fi
   case $step in
     memcheck)
       run 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$DRIVER"
@@ -164,13 +179,20 @@ for step in "$@"; do
         done
       done ;;
     epilogue)
-      run 60 .dev/build_both/kernel_driver --wgmma
+      from=$(($(wc -l < "$LOG") + 1))  # this step's part of the log, for the table
+      run 60 .dev/build_all/kernel_driver --wgmma
       [ "$last" -ne 0 ] && echo "== epilogue: edge cases failed or hung; the rest of the step skipped" | tee -a "$LOG" && continue
-      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 .dev/build_both/kernel_driver --wgmma
+      run 200 compute-sanitizer --tool memcheck --error-exitcode 9 .dev/build_all/kernel_driver --wgmma
       for i in 1 2; do
-        for d in "$DRIVER" .dev/build_sp/kernel_driver .dev/build_ac/kernel_driver .dev/build_both/kernel_driver; do
+        for d in "$DRIVER" .dev/build_sp/kernel_driver .dev/build_ac/kernel_driver .dev/build_rs/kernel_driver \
+          .dev/build_all/kernel_driver; do
           run 60 "$d" --wgmma --rope bench DSpark
         done
+      done
+      tail -n "+$from" "$LOG" > "$OUT/epilogue.log"
+      python3 tools/ab_summary.py "$OUT/epilogue.log" --only DSpark 2>&1 | tee -a "$LOG"
+      for d in "$TIMELINE_DRIVER" "${TIMELINE_ALL_DRIVER:-.dev/build_tlall/kernel_driver}"; do
+        [ -x "$d" ] && run 60 "$d" --wgmma --rope --timeline bench DSpark
       done ;;
     ncu)
       run 200 ncu --clock-control none --set full -k "regex:${NCU_KERNEL:-wgmma_ws_kernel}" --launch-skip 3 \

@@ -587,6 +587,20 @@ __device__ __forceinline__ bool spread_store_issued(int tid, int h0, int heads) 
   const int sr = spread_store_row(tid);
   return sr >= 0 && h0 + sr < heads;
 }
+// Experiment (kernel_driver builds with -DJAX_DSPARK_ATTENTION_ROPE_SPLIT_STAGING; off in the
+// library): the whole-row staging with inverse RoPE, for the models' 64 RoPE dims, as two
+// straight-line blocks (warpgroup 0: no RoPE dim; warpgroup 1: pairs n >= 24 rotated) instead
+// of a test and branch on every one of the 32 pairs. The branchy loop is 831 instructions of the
+// bf16 persistent warp-specialised kernel's SASS (cuobjdump of 2799f2e), about 550 executed by
+// each compute warp, two such warps a scheduler: some 0.6 us of issue per item against 0.33 for
+// the straight-line blocks (docs/kernels.md, "No machine lent").
+#ifdef JAX_DSPARK_ATTENTION_ROPE_SPLIT_STAGING
+constexpr bool kRopeSplitStaging = true;
+#else
+constexpr bool kRopeSplitStaging = false;
+#endif
+constexpr int kRopeSplitFirstPair = (D - 64 - 256) / 8;  // warpgroup 1's first rotated pair (24)
+static_assert(256 + 8 * kRopeSplitFirstPair == D - 64, "warpgroup 1 holds dims 256 .., the last 64 are RoPE dims");
 constexpr int kStageRowF32 = D * 4 + 32;
 constexpr int kEpilogueBar = 9;  // named barrier of the compute threads; 1..8 are the swap, full and empty ones
 static_assert(D * 4 == 1 << 11, "finish_rows's f32 row shift");
@@ -734,6 +748,27 @@ __device__ __forceinline__ void finish_rows(const SparseSinkAttentionParams& p, 
         const int dim = dim_first + 8 * n;
         *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(o[n][0] * f[0], o[n][1] * f[0]);
         *reinterpret_cast<uint32_t*>(dst8 + dim * 2) = pack_bf16x2(o[n][2] * f[1], o[n][3] * f[1]);
+      }
+    } else if (kRopeSplitStaging && rope_lo == D - 64) {
+      // pair n of warpgroup 1 is dim 256 + 2 q4 + 8 n: rotated from n = 24 on, with (cos, sin)
+      // pair q4 + 4 (n - 24); warpgroup 0's dims are all below 448.
+      auto stage_pair = [&](int n, bool rotate) {
+        const int dim = dim_first + 8 * n;
+        float a0 = o[n][0] * f[0], a1 = o[n][1] * f[0], b0 = o[n][2] * f[1], b1 = o[n][3] * f[1];
+        if (rotate) {
+          const float2 cs = cs_row[q4 + 4 * (n - kRopeSplitFirstPair)];
+          inverse_rope_pair(a0, a1, cs);
+          inverse_rope_pair(b0, b1, cs);
+        }
+        *reinterpret_cast<uint32_t*>(dst + dim * 2) = pack_bf16x2(a0, a1);
+        *reinterpret_cast<uint32_t*>(dst8 + dim * 2) = pack_bf16x2(b0, b1);
+      };
+      if (c == 0) {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) stage_pair(n, false);
+      } else {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) stage_pair(n, n >= kRopeSplitFirstPair);
       }
     } else {  // one (cos, sin) load a pair for both rows: they belong to the same query row bs
 #pragma unroll
