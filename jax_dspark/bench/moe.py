@@ -314,8 +314,9 @@ def run(
     only: str | None = None,
     models: tuple[str, ...] = tuple(MODELS),
     tokens: tuple[int, ...] = TOKENS,
+    stem: str = "moe",
 ) -> dict:
-    """Runs every case in one process and writes `moe.json` / `moe.md` to `out_dir`.
+    """Runs every case in one process and writes `<stem>.json` / `<stem>.md` to `out_dir`.
 
     `only` keeps the models whose name contains it (e.g. "Flash"); `commit` is recorded as is
     (default: $JAX_DSPARK_COMMIT, else `git rev-parse --short HEAD`).
@@ -379,9 +380,9 @@ def run(
         "cases": cases,
     }
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "moe.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
         json.dump(result, fh, indent=2)
-    with open(os.path.join(out_dir, "moe.md"), "w") as fh:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
         fh.write(to_markdown(result))
     return result
 
@@ -399,7 +400,7 @@ def ops_kernel_reason() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out-dir", default="docs/benchmarks", help="where moe.json and moe.md go")
+    parser.add_argument("--out-dir", default="docs/benchmarks", help="where moe.json and moe.md go (moe_<gpu>.* on a GPU other than the H200)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
 
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     run(args.out_dir, models=tuple(m for m in args.models.split(",") if m),
-        tokens=tuple(int(t) for t in args.tokens.split(",") if t))
+        tokens=tuple(int(t) for t in args.tokens.split(",") if t),
+        stem="moe" + report.gpu_suffix(jax.devices()[0].device_kind))
     return 0
 
 

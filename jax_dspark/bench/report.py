@@ -5,7 +5,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
+
+# The GPU whose runs are the project's figures (docs/benchmarks/<what>.json, as the kernel
+# issue asks); a run on any other GPU goes to <what>_<gpu>.json beside them.
+REFERENCE_GPU = "h200"
 
 
 def commit_id(explicit: str | None = None) -> str:
@@ -20,6 +25,15 @@ def commit_id(explicit: str | None = None) -> str:
         return head + ("-dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def gpu_suffix(device_kind: str) -> str:
+    """"" for the reference GPU, else "_" + the first token of `device_kind` with a digit in it
+    ("NVIDIA H100 80GB HBM3" -> "_h100"; no such token: every token, joined by "_"), so a bench
+    run on another GPU never overwrites the reference figures."""
+    tokens = [t for t in re.findall(r"[a-z0-9]+", device_kind.lower()) if t != "nvidia"]
+    name = next((t for t in tokens if any(ch.isdigit() for ch in t)), "_".join(tokens) or "unknown")
+    return "" if name == REFERENCE_GPU else "_" + name
 
 
 def today() -> str:

@@ -3,7 +3,9 @@
 Kernel benches (attention, prep, moe; GPU only) measure, in one process, the GPU's copy
 bandwidth and bf16 GEMM rate, the XLA reference and the CUDA kernel. `round` times one
 speculative decode round and its parts (`bench.round`; any backend). Each writes
-`<out>/<what>.json` plus a markdown table.
+`<out>/<what>.json` plus a markdown table; on a GPU other than the H200 the project's figures
+come from, `<out>/<what>_<gpu>.json` (`report.gpu_suffix`: `attention_h100.json`), so such a
+run never overwrites them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import os
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=("attention", "prep", "moe", "round"), help="what to benchmark")
-    parser.add_argument("--out", default="docs/benchmarks", help="directory for <what>.json and <what>.md")
+    parser.add_argument("--out", default="docs/benchmarks",
+                        help="directory for <what>.json and <what>.md (<what>_<gpu>.* on a GPU other than the H200)")
     parser.add_argument("--commit", default=None, help="commit id to record (default: git rev-parse HEAD)")
     parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
     parser.add_argument("--sets", type=int, default=20, help="input sets (calls) per timed executable")
@@ -48,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if jax.default_backend() != "gpu":
         print(f"bench {args.what}: needs a GPU backend (have {jax.default_backend()!r})")
         return 2
-    path = os.path.join(args.out, f"{args.what}{suffix}.json")
+    from jax_dspark.bench import report
+
+    gpu = report.gpu_suffix(jax.devices()[0].device_kind)
+    path = os.path.join(args.out, f"{args.what}{gpu}{suffix}.json")
     if args.what == "attention":
         from jax_dspark.bench import attention
 
@@ -60,5 +66,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         from jax_dspark.bench import moe
 
-        moe.run(args.out, commit=args.commit, only=args.only)
+        moe.run(args.out, commit=args.commit, only=args.only, stem=f"moe{gpu}")
     return 0
