@@ -142,6 +142,21 @@ def test_matches_reference_with_sink_and_inverse_rope(h, s):
     check(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
 
 
+@pytest.mark.parametrize("pairs", [16, 200])
+@pytest.mark.parametrize("b, s, k", [(26, 5, 133), (30, 5, 133), (3, 2, 150), (1, 2, 3000)],
+                         ids=["one-item-a-cta", "persistent", "cluster-merge", "combine"])
+def test_inverse_rope_over_other_rope_dims(pairs, b, s, k):
+    # Every other case rotates the models' 64 dims. The epilogues tell RoPE dims apart by
+    # rope_dim at run time: 32 dims (warpgroup 1's last four pairs) and 400 (both warpgroups'
+    # halves), through the whole-row staging of one-item CTAs (130 items, one split) and of the
+    # persistent kernels (150 items, more than the SMs), the cluster merge (3 splits) and the
+    # combine launch (12 splits): choose_splits on 132 SMs.
+    args, rng = make_case(pairs + k, b=b, s=s, h=64, k=k, k2=5, n2=30)
+    sink = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((b, s, pairs, 2)), jnp.float32)
+    check(args, sink=sink, scale=512**-0.5, inverse_rope=rope)
+
+
 @pytest.mark.parametrize("k", [1, 63, 64, 65, 100, 129])
 def test_list_lengths_around_the_tile_size(k):
     args, _ = make_case(k, b=2, s=2, h=64, k=k, drop=0.0)
